@@ -1,0 +1,29 @@
+"""Nemotron 3 Nano 30B-A3B parent (31.58B total / 3.58B active) with 23B / 12B budgets.
+
+The per-axis choice lists are ours (NVIDIA's exact 23B/12B values are not public; the router picks
+among these). Widths stay multiples of 16 so NVFP4 blocks slice cleanly.
+"""
+import ml_collections
+
+from elastic_jax.config import ModelConfig
+
+MODEL = ModelConfig(
+    layer_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    hidden_size=2688,
+    vocab_size=131072,
+    num_attention_heads=32, num_kv_heads=2, head_dim=128,
+    mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, mamba_n_groups=8, conv_kernel=4,
+    chunk_size=128,
+    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+    moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
+    norm_eps=1e-5, param_dtype="bfloat16", compute_dtype="bfloat16",
+    hidden_choices=(2688, 2560, 2432, 2304, 2176, 2048, 1792),
+    mamba_head_choices=(64, 56, 48, 40, 32),
+    expert_choices=(128, 120, 112, 104, 96, 88, 80, 72, 64),
+    moe_ffn_choices=(1856, 1728, 1600, 1472, 1344, 1216, 1088, 960),
+    budgets=(("30B", 1.0), ("23B", 0.78), ("12B", 0.56)),
+)
+
+
+def get_config():
+  return ml_collections.ConfigDict({"model": MODEL.to_dict()})

@@ -1,0 +1,190 @@
+"""Model configuration for the Nemotron-H family and its elastic axes.
+
+`ModelConfig` is a frozen, hashable dataclass so it can be a static argument of `jax.jit`.
+Layer pattern characters follow HF `hybrid_override_pattern`: ``M`` Mamba-2, ``*`` attention,
+``E`` MoE, ``-`` dense squared-ReLU MLP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of one hybrid Mamba-2 / attention / MoE model, plus its elastic choices.
+
+  Each `*_choices` tuple lists the allowed sizes of one elastic axis, descending, the first being
+  the full size. `mamba_head_choices` counts heads over the whole layer (a multiple of
+  `mamba_n_groups`: the same number is kept in every group). `budgets` names the nested
+  sub-models and their targets as fractions of the full model's active parameters.
+  """
+  layer_pattern: str
+  hidden_size: int
+  vocab_size: int
+  # Attention (GQA, no positional encoding).
+  num_attention_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  # Mamba-2.
+  mamba_num_heads: int = 8
+  mamba_head_dim: int = 8
+  ssm_state_size: int = 16
+  mamba_n_groups: int = 2
+  conv_kernel: int = 4
+  chunk_size: int = 16
+  use_conv_bias: bool = True
+  time_step_limit: tuple[float, float] = (0.0, math.inf)
+  time_step_min: float = 0.001
+  time_step_max: float = 0.1
+  time_step_floor: float = 1e-4
+  # MoE.
+  n_routed_experts: int = 8
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 32
+  moe_shared_expert_intermediate_size: int = 64
+  routed_scaling_factor: float = 1.0
+  norm_topk_prob: bool = True
+  # Dense MLP layers ('-').
+  intermediate_size: int = 64
+  # Numerics.
+  norm_eps: float = 1e-5
+  initializer_range: float = 0.02
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
+  bos_token_id: int = 1
+  eos_token_id: int = 2
+  pad_token_id: int = 0
+  # Elastic axes; empty means "full size only".
+  hidden_choices: tuple[int, ...] = ()
+  mamba_head_choices: tuple[int, ...] = ()
+  expert_choices: tuple[int, ...] = ()
+  moe_ffn_choices: tuple[int, ...] = ()
+  budgets: tuple[tuple[str, float], ...] = (("full", 1.0),)
+
+  def __post_init__(self):
+    # Fill empty choice lists with the full size, then validate everything.
+    for name, full in (("hidden_choices", self.hidden_size),
+                       ("mamba_head_choices", self.mamba_num_heads),
+                       ("expert_choices", self.n_routed_experts),
+                       ("moe_ffn_choices", self.moe_intermediate_size)):
+      value = tuple(int(v) for v in getattr(self, name)) or (full,)
+      object.__setattr__(self, name, value)
+    object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
+    object.__setattr__(self, "budgets", tuple((str(n), float(f)) for n, f in self.budgets))
+    self._validate()
+
+  # ---------------------------------------------------------------- derived shapes
+  @property
+  def num_layers(self) -> int:
+    return len(self.layer_pattern)
+
+  def layers_of(self, kind: str) -> tuple[int, ...]:
+    """Indices of the layers whose pattern char is `kind` ('M', '*', 'E', '-')."""
+    return tuple(i for i, c in enumerate(self.layer_pattern) if c == kind)
+
+  @property
+  def mamba_heads_per_group(self) -> int:
+    return self.mamba_num_heads // self.mamba_n_groups
+
+  @property
+  def mamba_d_inner(self) -> int:
+    return self.mamba_num_heads * self.mamba_head_dim
+
+  @property
+  def budget_names(self) -> tuple[str, ...]:
+    return tuple(n for n, _ in self.budgets)
+
+  def budget_fraction(self, name: str) -> float:
+    for n, f in self.budgets:
+      if n == name:
+        return f
+    raise ValueError(f"unknown budget {name!r}; allowed: {list(self.budget_names)}")
+
+  def replace(self, **kwargs) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["time_step_limit"] = list(self.time_step_limit)
+    d["budgets"] = [list(b) for b in self.budgets]
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(known)}")
+    d = dict(d)
+    for k in ("hidden_choices", "mamba_head_choices", "expert_choices", "moe_ffn_choices",
+              "time_step_limit"):
+      if k in d:
+        d[k] = tuple(d[k])
+    if "budgets" in d:
+      d["budgets"] = tuple(tuple(b) for b in d["budgets"])
+    return cls(**d)
+
+  # ---------------------------------------------------------------- validation
+  def _validate(self):
+    def err(field, msg):
+      raise ValueError(f"ModelConfig.{field}: {msg}")
+
+    bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
+    if not self.layer_pattern or bad:
+      err("layer_pattern", f"must be a non-empty string over {sorted(LAYER_KINDS)}; got "
+          f"{self.layer_pattern!r} (bad chars {bad})")
+    for f in ("hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim",
+              "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "mamba_n_groups",
+              "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+              "intermediate_size"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        err(f, f"must be a positive int, got {v!r}")
+    if self.num_attention_heads % self.num_kv_heads:
+      err("num_kv_heads", f"{self.num_kv_heads} must divide num_attention_heads="
+          f"{self.num_attention_heads}")
+    if self.mamba_num_heads % self.mamba_n_groups:
+      err("mamba_n_groups", f"{self.mamba_n_groups} must divide mamba_num_heads="
+          f"{self.mamba_num_heads}")
+    if self.num_experts_per_tok > self.n_routed_experts:
+      err("num_experts_per_tok", f"{self.num_experts_per_tok} > n_routed_experts="
+          f"{self.n_routed_experts}")
+    lo, hi = self.time_step_limit
+    if not 0.0 <= lo <= hi:
+      err("time_step_limit", f"need 0 <= min <= max, got {self.time_step_limit}")
+    if self.norm_eps <= 0:
+      err("norm_eps", f"must be > 0, got {self.norm_eps}")
+    for f in ("param_dtype", "compute_dtype"):
+      if getattr(self, f) not in DTYPES:
+        err(f, f"{getattr(self, f)!r} not in {DTYPES}")
+    self._validate_choices(err)
+    names = [n for n, _ in self.budgets]
+    if not names or len(set(names)) != len(names):
+      err("budgets", f"need unique budget names, got {names}")
+    fracs = [f for _, f in self.budgets]
+    if fracs[0] != 1.0 or any(not 0 < f <= 1 for f in fracs) or fracs != sorted(fracs, reverse=True):
+      err("budgets", f"fractions must descend from 1.0 within (0, 1], got {fracs}")
+
+  def _validate_choices(self, err):
+    for field, full in (("hidden_choices", self.hidden_size),
+                        ("mamba_head_choices", self.mamba_num_heads),
+                        ("expert_choices", self.n_routed_experts),
+                        ("moe_ffn_choices", self.moe_intermediate_size)):
+      ch = getattr(self, field)
+      if ch[0] != full:
+        err(field, f"first choice must be the full size {full}, got {ch}")
+      if any(c <= 0 for c in ch) or list(ch) != sorted(set(ch), reverse=True):
+        err(field, f"choices must be positive, unique and descending, got {ch}")
+    bad = [c for c in self.mamba_head_choices if c % self.mamba_n_groups]
+    if bad:
+      err("mamba_head_choices", f"{bad} are not multiples of mamba_n_groups={self.mamba_n_groups}")
+    bad = [c for c in self.expert_choices if c < self.num_experts_per_tok]
+    if bad:
+      err("expert_choices", f"{bad} are below num_experts_per_tok={self.num_experts_per_tok}")

@@ -1,0 +1,45 @@
+"""Causal GQA self-attention without positional encoding (NoPE), softmax in fp32.
+
+Leaves: q [D,Hq,hd], k/v [D,Hkv,hd], o [Hq,hd,D]. Query head h reads KV head h // (Hq/Hkv).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.model import init_utils as iu
+
+
+def param_specs(c: ModelConfig) -> dict:
+  D, Hq, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim
+  lin = iu.normal(c.initializer_range)
+  return {"q": iu.Spec((D, Hq, hd), c.param_dtype, lin),
+          "k": iu.Spec((D, Hkv, hd), c.param_dtype, lin),
+          "v": iu.Spec((D, Hkv, hd), c.param_dtype, lin),
+          "o": iu.Spec((Hq, hd, D), c.param_dtype,
+                       iu.normal(c.initializer_range / math.sqrt(c.num_layers)))}
+
+
+def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
+  """Grouped attention core. q heads are [kv_head, rep]; mask_TS True = may attend."""
+  scale = q_BTKRd.shape[-1] ** -0.5
+  s = jnp.einsum("btkrd,bskd->bkrts", q_BTKRd, k_BSKd).astype(jnp.float32) * scale
+  s = jnp.where(mask_TS, s, -jnp.inf)
+  w = jax.nn.softmax(s, axis=-1).astype(v_BSKd.dtype)
+  return jnp.einsum("bkrts,bskd->btkrd", w, v_BSKd)
+
+
+def attention(p: dict, x_BTD, c: ModelConfig):
+  dt_ = jnp.dtype(c.compute_dtype)
+  x_BTD = x_BTD.astype(dt_)
+  B, T, _ = x_BTD.shape
+  Hkv, rep = c.num_kv_heads, c.num_attention_heads // c.num_kv_heads
+  q = jnp.einsum("btd,dhk->bthk", x_BTD, p["q"].astype(dt_)).reshape(B, T, Hkv, rep, c.head_dim)
+  k = jnp.einsum("btd,dhk->bthk", x_BTD, p["k"].astype(dt_))
+  v = jnp.einsum("btd,dhk->bthk", x_BTD, p["v"].astype(dt_))
+  causal = jnp.tril(jnp.ones((T, T), bool))
+  out = attend(q, k, v, causal).reshape(B, T, c.num_attention_heads, c.head_dim)
+  return jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))

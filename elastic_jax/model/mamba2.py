@@ -1,0 +1,89 @@
+"""Mamba-2 mixer (Nemotron-H variant): split in_proj, causal depthwise conv, SSD, gated group norm.
+
+Leaves (heads stored as [groups, heads_per_group] so a per-group head budget is a prefix):
+in_z/in_x [D,G,H,P], in_B/in_C [D,G,N], in_dt [D,G,H], conv_x [K,G,H,P] (+ conv_x_bias [G,H,P]),
+conv_B/conv_C [K,G,N] (+ biases), dt_bias/A_log/D [G,H], norm [G,H,P], out_proj [G,H,P,D].
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.model import init_utils as iu
+from elastic_jax.model.norms import gated_group_rms_norm
+from elastic_jax.model.ssd import ssd_chunked, ssd_sequential
+
+
+def param_specs(c: ModelConfig) -> dict:
+  D, G, H, P, N, K = (c.hidden_size, c.mamba_n_groups, c.mamba_heads_per_group, c.mamba_head_dim,
+                      c.ssm_state_size, c.conv_kernel)
+  pd = c.param_dtype
+  lin = iu.normal(c.initializer_range)
+  conv = iu.uniform(1.0 / math.sqrt(K))
+  specs = {
+      "in_z": iu.Spec((D, G, H, P), pd, lin), "in_x": iu.Spec((D, G, H, P), pd, lin),
+      "in_B": iu.Spec((D, G, N), pd, lin), "in_C": iu.Spec((D, G, N), pd, lin),
+      "in_dt": iu.Spec((D, G, H), pd, lin),
+      "conv_x": iu.Spec((K, G, H, P), pd, conv), "conv_B": iu.Spec((K, G, N), pd, conv),
+      "conv_C": iu.Spec((K, G, N), pd, conv),
+      # Small SSM parameters stay fp32 (as in the reference implementation).
+      "dt_bias": iu.Spec((G, H), "float32", iu.dt_bias(c.time_step_min, c.time_step_max,
+                                                       c.time_step_floor)),
+      "A_log": iu.Spec((G, H), "float32", iu.a_log),
+      "D": iu.Spec((G, H), "float32", iu.ones),
+      "norm": iu.Spec((G, H, P), pd, iu.ones),
+      "out_proj": iu.Spec((G, H, P, D), pd, iu.normal(c.initializer_range / math.sqrt(c.num_layers))),
+  }
+  if c.use_conv_bias:
+    specs.update({"conv_x_bias": iu.Spec((G, H, P), pd, conv),
+                  "conv_B_bias": iu.Spec((G, N), pd, conv), "conv_C_bias": iu.Spec((G, N), pd, conv)})
+  return specs
+
+
+def causal_conv(x_BTC, w_KC, b_C=None):
+  """Depthwise causal conv over time: out[t] = sum_k w[k] * x[t - K + 1 + k] (+ bias).
+
+  Channel dims after T may be any shape; `w` is [K, *channels].
+  """
+  K = w_KC.shape[0]
+  T = x_BTC.shape[1]
+  xp = jnp.pad(x_BTC, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BTC.ndim - 2))
+  out = sum(xp[:, k:k + T] * w_KC[k] for k in range(K))
+  return out if b_C is None else out + b_C
+
+
+def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunked"):
+  """Mamba-2 mixer forward. `head_mask_GH` keeps a prefix of heads in each group."""
+  dt_ = jnp.dtype(c.compute_dtype)
+  x_BTD = x_BTD.astype(dt_)
+  proj = lambda w, spec: jnp.einsum(spec, x_BTD, w.astype(dt_))
+  z = proj(p["in_z"], "btd,dghp->btghp")
+  xs = proj(p["in_x"], "btd,dghp->btghp")
+  Bm = proj(p["in_B"], "btd,dgn->btgn")
+  Cm = proj(p["in_C"], "btd,dgn->btgn")
+  dt_raw = proj(p["in_dt"], "btd,dgh->btgh")
+
+  act = lambda v: jax.nn.silu(v)
+  xs = act(causal_conv(xs, p["conv_x"].astype(dt_), _opt(p, "conv_x_bias", dt_)))
+  Bm = act(causal_conv(Bm, p["conv_B"].astype(dt_), _opt(p, "conv_B_bias", dt_)))
+  Cm = act(causal_conv(Cm, p["conv_C"].astype(dt_), _opt(p, "conv_C_bias", dt_)))
+
+  lo, hi = c.time_step_limit
+  dt = jnp.clip(jax.nn.softplus(dt_raw.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)), lo, hi)
+  A = -jnp.exp(p["A_log"].astype(jnp.float32))
+  if scan == "chunked":
+    y, _ = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size)
+  elif scan == "sequential":
+    y, _ = ssd_sequential(xs, dt, A, Bm, Cm)
+  else:
+    raise ValueError(f"scan must be 'chunked' or 'sequential', got {scan!r}")
+  y = y + p["D"].astype(jnp.float32)[..., None] * xs.astype(jnp.float32)
+  y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, head_mask_GH).astype(dt_)
+  return jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
+
+
+def _opt(p, name, dtype):
+  return p[name].astype(dtype) if name in p else None

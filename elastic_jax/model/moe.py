@@ -1,0 +1,108 @@
+"""Nemotron-H MoE: fp32 sigmoid router with selection-only correction bias, normalised top-k
+gates times `routed_scaling_factor`, squared-ReLU experts (not gated), plus one shared expert.
+
+Leaves: router [D,E] fp32, router_bias [E] fp32, up [E,D,F], down [E,F,D], shared_up [D,Fs],
+shared_down [Fs,D]. Two dispatch paths that compute the same function: "dense" (every expert on
+every token, weighted by a sparse gate matrix; for CPU / tiny shapes) and "ragged" (tokens sorted
+by expert, `jax.lax.ragged_dot` grouped matmuls).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.model import init_utils as iu
+
+MOE_IMPLS = ("dense", "ragged")
+
+
+def param_specs(c: ModelConfig) -> dict:
+  D, E, F, Fs = (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size,
+                 c.moe_shared_expert_intermediate_size)
+  lin = iu.normal(c.initializer_range)
+  out = iu.normal(c.initializer_range / math.sqrt(c.num_layers))
+  pd = c.param_dtype
+  return {"router": iu.Spec((D, E), "float32", lin),
+          "router_bias": iu.Spec((E,), "float32", iu.zeros),
+          "up": iu.Spec((E, D, F), pd, lin), "down": iu.Spec((E, F, D), pd, out),
+          "shared_up": iu.Spec((D, Fs), pd, lin), "shared_down": iu.Spec((Fs, D), pd, out)}
+
+
+def relu2(x):
+  return jnp.square(jax.nn.relu(x))
+
+
+def route(p: dict, x_TD, c: ModelConfig, expert_mask_E=None):
+  """Returns (gates [T,k] fp32, expert indices [T,k] int32).
+
+  Masked experts (mask 0) can't be selected; gates are scaled by the mask value so a mask scaled
+  by a router probability carries gradient (a hard 0/1 mask changes nothing else).
+  """
+  logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), p["router"].astype(jnp.float32))
+  scores = jax.nn.sigmoid(logits)
+  choice = scores + p["router_bias"].astype(jnp.float32)
+  if expert_mask_E is not None:
+    choice = jnp.where(expert_mask_E > 0, choice, -jnp.inf)
+  _, idx = jax.lax.top_k(choice, c.num_experts_per_tok)
+  gates = jnp.take_along_axis(scores, idx, axis=-1)
+  if c.norm_topk_prob:
+    gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+  gates = gates * c.routed_scaling_factor
+  if expert_mask_E is not None:
+    gates = gates * expert_mask_E.astype(jnp.float32)[idx]
+  return gates, idx
+
+
+def _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_):
+  E = p["up"].shape[0]
+  combine_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)
+  h = jnp.einsum("td,edf->tef", x_TD, p["up"].astype(dt_))
+  if ffn_mask_F is not None:
+    h = h * ffn_mask_F.astype(dt_)
+  y = jnp.einsum("tef,efd->ted", relu2(h), p["down"].astype(dt_))
+  return jnp.einsum("te,ted->td", combine_TE.astype(dt_), y)
+
+
+def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_):
+  T, k = idx.shape
+  E = p["up"].shape[0]
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  token_of = order // k
+  group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  xs = x_TD[token_of]
+  h = jax.lax.ragged_dot(xs, p["up"].astype(dt_), group_sizes)
+  if ffn_mask_F is not None:
+    h = h * ffn_mask_F.astype(dt_)
+  y = jax.lax.ragged_dot(relu2(h), p["down"].astype(dt_), group_sizes)
+  y = y * gates.reshape(-1)[order][:, None].astype(dt_)
+  return jnp.zeros_like(x_TD).at[token_of].add(y)
+
+
+def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, impl: str = "dense"):
+  if impl not in MOE_IMPLS:
+    raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
+  dt_ = jnp.dtype(c.compute_dtype)
+  B, T, D = x_BTD.shape
+  x_TD = x_BTD.reshape(B * T, D).astype(dt_)
+  gates, idx = route(p, x_TD, c, expert_mask_E)
+  routed = (_experts_dense if impl == "dense" else _experts_ragged)(
+      p, x_TD, gates, idx, ffn_mask_F, dt_)
+  shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)
+  return (routed + shared).reshape(B, T, D)
+
+
+def mlp_param_specs(c: ModelConfig) -> dict:
+  D, F = c.hidden_size, c.intermediate_size
+  return {"up": iu.Spec((D, F), c.param_dtype, iu.normal(c.initializer_range)),
+          "down": iu.Spec((F, D), c.param_dtype,
+                          iu.normal(c.initializer_range / math.sqrt(c.num_layers)))}
+
+
+def mlp(p: dict, x_BTD, c: ModelConfig):
+  """Dense squared-ReLU MLP ('-' layers)."""
+  dt_ = jnp.dtype(c.compute_dtype)
+  return relu2(x_BTD.astype(dt_) @ p["up"].astype(dt_)) @ p["down"].astype(dt_)
