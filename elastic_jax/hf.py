@@ -115,8 +115,7 @@ def config_to_hf(c: ModelConfig) -> dict:
       "mamba_num_heads": c.mamba_num_heads, "mamba_head_dim": c.mamba_head_dim,
       "ssm_state_size": c.ssm_state_size, "n_groups": c.mamba_n_groups,
       "conv_kernel": c.conv_kernel, "chunk_size": c.chunk_size, "use_conv_bias": c.use_conv_bias,
-      "time_step_limit": [c.time_step_limit[0], {"__float__": "Infinity"}
-                          if math.isinf(c.time_step_limit[1]) else c.time_step_limit[1]],
+      "time_step_limit": list(c.time_step_limit),
       "time_step_min": c.time_step_min, "time_step_max": c.time_step_max,
       "time_step_floor": c.time_step_floor,
       "n_routed_experts": c.n_routed_experts, "num_experts_per_tok": c.num_experts_per_tok,
@@ -242,9 +241,16 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
   for i, kind in enumerate(c.layer_pattern):
     base = f"{prefix}layers.{i}."
     mt = getter(base + "mixer.")
-    mixer = {"M": lambda: _mamba_from_hf(mt, c), "*": lambda: _attn_from_hf(mt, c),
-             "E": lambda: _moe_from_hf(mt, c, has(base + "mixer.")),
-             "-": lambda: _mlp_from_hf(mt, c)}[kind]()
+    convert = {"M": lambda: _mamba_from_hf(mt, c), "*": lambda: _attn_from_hf(mt, c),
+               "E": lambda: _moe_from_hf(mt, c, has(base + "mixer.")),
+               "-": lambda: _mlp_from_hf(mt, c)}[kind]
+    try:
+      mixer = convert()
+    except HFFormatError:
+      raise
+    except ValueError as e:  # a reshape that the config's sizes don't allow
+      raise HFFormatError(f"{base}mixer ({kind!r} layer): tensor shapes do not match the "
+                          f"config ({e})") from None
     layers.append({"norm": getter(base)("norm.weight"), "mixer": mixer})
   g = getter(prefix)
   params = {"embed": g("embeddings.weight"), "layers": layers, "final_norm": g("norm_f.weight"),
@@ -308,6 +314,9 @@ def save_pretrained(folder: str, params, c: ModelConfig) -> None:
   tensors = {k: v.astype(np.float32 if ".gate." in k else dtype) for k, v in tensors.items()}
   st.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
   tmp = os.path.join(folder, "config.json.tmp")
+  # transformers' JSON encoding of non-finite floats.
+  cfg["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity"}
+                            for v in cfg["time_step_limit"]]
   with open(tmp, "w") as f:
     json.dump(cfg, f, indent=2)
   os.replace(tmp, os.path.join(folder, "config.json"))

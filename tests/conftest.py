@@ -1,0 +1,57 @@
+"""Shared tiny shapes so the suite compiles few programs; 8 host devices for mesh tests."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from elastic_jax import ModelConfig, init  # noqa: E402
+
+# All four block kinds; chunk 4 so sequences of 13 tokens span several SSD chunks.
+CFG = ModelConfig(
+    layer_pattern="M*E-ME", hidden_size=32, vocab_size=64,
+    num_attention_heads=4, num_kv_heads=2, head_dim=8,
+    mamba_num_heads=8, mamba_head_dim=4, ssm_state_size=8, mamba_n_groups=2, conv_kernel=4,
+    chunk_size=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+    moe_shared_expert_intermediate_size=24, routed_scaling_factor=2.5, intermediate_size=24,
+    initializer_range=0.2,
+    hidden_choices=(32, 24, 16), mamba_head_choices=(8, 6, 4, 2), expert_choices=(8, 6, 4),
+    moe_ffn_choices=(16, 12, 8),
+)
+
+
+def perturb(params, key):
+  """Random non-default values for norms, A_log, D, dt_bias and the router correction bias."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for (path, x), k in zip(leaves, keys):
+    name = jax.tree_util.keystr(path)
+    noise = jax.random.normal(k, x.shape, jnp.float32)
+    if "norm" in name or "'D'" in name:
+      x = (1.0 + 0.5 * noise).astype(x.dtype)
+    elif "A_log" in name:
+      x = (x + 0.3 * noise).astype(x.dtype)
+    elif "router_bias" in name:
+      x = (0.3 * noise).astype(x.dtype)
+    out.append(x)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.fixture(scope="session")
+def cfg():
+  return CFG
+
+
+@pytest.fixture(scope="session")
+def params():
+  return perturb(init(CFG, jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+
+
+@pytest.fixture(scope="session")
+def tokens():
+  return jnp.asarray(np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 13)), jnp.int32)

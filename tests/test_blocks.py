@@ -1,0 +1,105 @@
+"""Shapes / dtypes of every block, and numerics against small independent references."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_jax import apply
+from elastic_jax.model import attention as attn_lib
+from elastic_jax.model import mamba2 as mamba_lib
+from elastic_jax.model import moe as moe_lib
+from elastic_jax.model.norms import gated_group_rms_norm, rms_norm
+
+
+def _layer(params, cfg, kind):
+  return params["layers"][cfg.layer_pattern.index(kind)]["mixer"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_block_shapes_and_dtypes(cfg, params, dtype):
+  c = cfg.replace(compute_dtype=dtype)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, c.hidden_size))
+  fns = {"M": mamba_lib.mamba2, "*": attn_lib.attention, "E": moe_lib.moe, "-": moe_lib.mlp}
+  for kind, fn in fns.items():
+    out = fn(_layer(params, c, kind), x, c)
+    chex.assert_shape(out, x.shape)
+    chex.assert_type(out, jnp.dtype(dtype))
+    chex.assert_tree_all_finite(out)
+  y = rms_norm(x.astype(dtype), jnp.ones(c.hidden_size), 1e-5)
+  chex.assert_type(y, jnp.dtype(dtype))
+
+
+def test_apply_shapes_and_jit(cfg, params, tokens):
+  logits = jax.jit(lambda p, t: apply(p, t, config=cfg))(params, tokens)
+  chex.assert_shape(logits, tokens.shape + (cfg.vocab_size,))
+  chex.assert_type(logits, jnp.float32)
+  np.testing.assert_allclose(logits, apply(params, tokens, config=cfg), atol=1e-5)
+
+
+def test_apply_is_causal(cfg, params, tokens):
+  full = apply(params, tokens, config=cfg)
+  prefix = apply(params, tokens[:, :7], config=cfg)
+  np.testing.assert_allclose(full[:, :7], prefix, atol=1e-5)
+
+
+def test_apply_bad_inputs(cfg, params, tokens):
+  with pytest.raises(ValueError, match="int array"):
+    apply(params, tokens.astype(jnp.float32), config=cfg)
+  with pytest.raises(ValueError, match="int array"):
+    apply(params, tokens[0], config=cfg)
+  with pytest.raises(ValueError, match="params have 6 layers.*has 5"):
+    apply(params, tokens, config=cfg.replace(layer_pattern="M*E-M"))
+
+
+def test_rms_norm_reference():
+  x = np.random.RandomState(0).randn(3, 10).astype(np.float32)
+  w = np.random.RandomState(1).randn(10).astype(np.float32)
+  ref = x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + 1e-5) * w
+  np.testing.assert_allclose(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-5), ref, rtol=1e-5)
+
+
+def test_gated_group_norm_reference():
+  rs = np.random.RandomState(0)
+  y, z = rs.randn(2, 3, 2, 4, 5).astype(np.float32), rs.randn(2, 3, 2, 4, 5).astype(np.float32)
+  w = rs.randn(2, 4, 5).astype(np.float32)
+  g = y * z / (1 + np.exp(-z))
+  gg = g.reshape(2, 3, 2, 20)
+  ref = (gg / np.sqrt(np.mean(gg ** 2, -1, keepdims=True) + 1e-5)).reshape(g.shape) * w
+  np.testing.assert_allclose(gated_group_rms_norm(y, z, w, 1e-5), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_conv_reference():
+  rs = np.random.RandomState(0)
+  x, w, b = rs.randn(2, 7, 3), rs.randn(4, 3), rs.randn(3)
+  ref = np.zeros_like(x)
+  for t in range(7):
+    for k in range(4):
+      if t - 3 + k >= 0:
+        ref[:, t] += w[k] * x[:, t - 3 + k]
+  np.testing.assert_allclose(mamba_lib.causal_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)),
+                             ref + b, rtol=1e-5, atol=1e-5)
+
+
+def test_mamba_chunked_equals_sequential(cfg, params):
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, 11, cfg.hidden_size))
+  p = _layer(params, cfg, "M")
+  np.testing.assert_allclose(mamba_lib.mamba2(p, x, cfg), mamba_lib.mamba2(p, x, cfg, scan="sequential"),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="scan must be"):
+    mamba_lib.mamba2(p, x, cfg, scan="fast")
+
+
+def test_attention_reference(cfg, params):
+  """GQA NoPE attention vs an explicit per-head numpy loop."""
+  p = jax.tree_util.tree_map(np.asarray, _layer(params, cfg, "*"))
+  x = np.random.RandomState(3).randn(1, 6, cfg.hidden_size).astype(np.float32)
+  rep = cfg.num_attention_heads // cfg.num_kv_heads
+  out = np.zeros((6, cfg.num_attention_heads, cfg.head_dim), np.float32)
+  for h in range(cfg.num_attention_heads):
+    q, k, v = x[0] @ p["q"][:, h], x[0] @ p["k"][:, h // rep], x[0] @ p["v"][:, h // rep]
+    s = q @ k.T / np.sqrt(cfg.head_dim) + np.triu(np.full((6, 6), -np.inf), 1)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    out[:, h] = (a / a.sum(-1, keepdims=True)) @ v
+  ref = np.einsum("thk,hkd->td", out, p["o"])
+  np.testing.assert_allclose(attn_lib.attention(p, jnp.asarray(x), cfg)[0], ref, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,56 @@
+import math
+
+import pytest
+
+from configs import model_config
+from elastic_jax import ModelConfig
+from conftest import CFG
+
+
+def test_presets_load():
+  tiny = model_config("tiny")
+  assert set(tiny.layer_pattern) == {"M", "*", "E"}
+  nano = model_config("nano_v3")
+  assert nano.num_layers == 52
+  assert [nano.layer_pattern.count(k) for k in "ME*"] == [23, 23, 6]
+  with pytest.raises(ValueError, match="unknown config 'huge'"):
+    model_config("huge")
+
+
+def test_dict_roundtrip():
+  c = CFG.replace(time_step_limit=(0.0, math.inf))
+  assert ModelConfig.from_dict(c.to_dict()) == c
+  with pytest.raises(ValueError, match="unknown ModelConfig fields.*bogus"):
+    ModelConfig.from_dict({**c.to_dict(), "bogus": 1})
+
+
+def test_hashable_for_jit():
+  assert hash(CFG) == hash(CFG.replace())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"layer_pattern": "MXE"}, "layer_pattern.*bad chars \\['X'\\]"),
+    ({"layer_pattern": ""}, "layer_pattern"),
+    ({"hidden_size": 0}, "hidden_size: must be a positive int"),
+    ({"num_kv_heads": 3}, "num_kv_heads: 3 must divide"),
+    ({"mamba_n_groups": 3, "mamba_head_choices": ()}, "mamba_n_groups: 3 must divide"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"compute_dtype": "int8"}, "compute_dtype"),
+    ({"time_step_limit": (0.1, 0.01)}, "time_step_limit"),
+    ({"hidden_choices": (24, 16)}, "hidden_choices: first choice must be the full size 32"),
+    ({"hidden_choices": (32, 16, 24)}, "hidden_choices: choices must be positive, unique"),
+    ({"mamba_head_choices": (8, 5)}, "mamba_head_choices: \\[5\\] are not multiples"),
+    ({"expert_choices": (8, 1)}, "expert_choices: \\[1\\] are below num_experts_per_tok"),
+    ({"budgets": (("a", 1.0), ("a", 0.5))}, "budgets: need unique"),
+    ({"budgets": (("a", 0.9),)}, "budgets: fractions"),
+])
+def test_bad_config_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    CFG.replace(**kwargs)
+
+
+def test_budget_lookup():
+  tiny = model_config("tiny")
+  assert tiny.budget_fraction("medium") == pytest.approx(0.78)
+  with pytest.raises(ValueError, match="unknown budget 'huge'.*full"):
+    tiny.budget_fraction("huge")

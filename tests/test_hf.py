@@ -1,0 +1,122 @@
+"""Parity with the transformers PyTorch Nemotron-H (all four block kinds), fp32, 1e-4.
+
+transformers 5.x clamps dt from below at `time_step_min` (its mixer uses
+`(time_step_min, inf)` instead of the config's `time_step_limit`); we load with that override so
+the comparison is exact, and keep the config's own limit as our default.
+"""
+import json
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from elastic_jax import apply, hf  # noqa: E402
+from elastic_jax import safetensors_io as st  # noqa: E402
+
+
+def _hf_model(cfg, seed=0):
+  torch.manual_seed(seed)
+  hf_cfg = transformers.NemotronHConfig(**hf.config_to_hf(cfg))
+  model = transformers.NemotronHForCausalLM(hf_cfg).eval()
+  with torch.no_grad():  # move every parameter and buffer off its default init
+    for name, p in model.named_parameters():
+      if "A_log" in name:
+        p.copy_(torch.rand_like(p) * 2)
+      elif name.endswith(".D") or "norm" in name:
+        p.copy_(1 + 0.5 * torch.randn_like(p))
+      elif "dt_bias" in name:
+        p.copy_(torch.randn_like(p))
+      else:
+        p.copy_(p + 0.1 * torch.randn_like(p))
+    for name, b in model.named_buffers():
+      if "e_score_correction_bias" in name:
+        b.copy_(0.3 * torch.randn_like(b))
+  return model
+
+
+@pytest.fixture(scope="module")
+def hf_folder(cfg, tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp("hf"))
+  model = _hf_model(cfg)
+  model.save_pretrained(folder)
+  return folder, model
+
+
+def _overrides(cfg):
+  return {"time_step_limit": (cfg.time_step_min, math.inf)}
+
+
+def test_logit_parity(cfg, hf_folder):
+  folder, model = hf_folder
+  our_cfg, params = hf.load_pretrained(folder, **_overrides(cfg))
+  assert our_cfg.layer_pattern == cfg.layer_pattern
+  fwd = {impl: jax.jit(lambda p, t, impl=impl: apply(p, t, config=our_cfg, moe_impl=impl))
+         for impl in ("dense", "ragged")}
+  rs = np.random.RandomState(0)
+  for T in (1, 6, 13, 17):  # 17 spans five SSD chunks of 4
+    tok = rs.randint(0, cfg.vocab_size, (2, T))
+    with torch.no_grad():
+      ref = model(torch.tensor(tok)).logits.numpy()
+    for impl, f in fwd.items():
+      np.testing.assert_allclose(np.asarray(f(params, tok)), ref, rtol=1e-4, atol=1e-4,
+                                 err_msg=f"T={T} impl={impl}")
+
+
+def test_export_loads_in_transformers(cfg, params, tokens, tmp_path):
+  c = cfg.replace(**_overrides(cfg))
+  hf.save_pretrained(str(tmp_path), params, c)
+  model = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path)).eval()
+  with torch.no_grad():
+    ref = model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  np.testing.assert_allclose(apply(params, tokens, config=c), ref, rtol=1e-4, atol=1e-4)
+  c2, p2 = hf.load_pretrained(str(tmp_path), **_overrides(cfg))
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(p2)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_config_roundtrip(cfg):
+  back = hf.config_from_hf(json.loads(json.dumps(hf.config_to_hf(cfg))))
+  assert back == cfg.replace(hidden_choices=(), mamba_head_choices=(), expert_choices=(),
+                             moe_ffn_choices=(), budgets=(("full", 1.0),))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"model_type": "llama"}, "expected model_type 'nemotron_h'"),
+    ({"tie_word_embeddings": True}, "unsupported Nemotron-H option tie_word_embeddings"),
+    ({"moe_latent_size": 8}, "moe_latent_size"),
+    ({"n_group": 2}, "group-limited"),
+])
+def test_bad_hf_config(cfg, change, match):
+  with pytest.raises(ValueError, match=match):
+    hf.config_from_hf({**hf.config_to_hf(cfg), **change})
+
+
+def test_bad_checkpoints(cfg, hf_folder, tmp_path):
+  folder, _ = hf_folder
+  tensors = dict(st.load_folder(folder))
+  c = hf.config_from_hf(json.load(open(os.path.join(folder, "config.json"))))
+  missing = {k: v for k, v in tensors.items() if "layers.0.mixer.D" not in k}
+  with pytest.raises(ValueError, match="missing tensor 'backbone.layers.0.mixer.D'"):
+    hf.params_from_hf(missing, c)
+  wrong = dict(tensors)
+  wrong["backbone.layers.1.mixer.q_proj.weight"] = np.zeros((3, 3), np.float32)
+  with pytest.raises(ValueError, match="layers.1.mixer \\('\\*' layer\\): tensor shapes"):
+    hf.params_from_hf(wrong, c)
+  wrong["backbone.layers.1.mixer.q_proj.weight"] = np.zeros((64, 32), np.float32)
+  with pytest.raises(ValueError, match="\\['mixer'\\]\\['q'\\]: shape \\(32, 8, 8\\)"):
+    hf.params_from_hf(wrong, c)
+  extra = {**tensors, "backbone.layers.9.norm.weight": np.zeros(3, np.float32)}
+  with pytest.raises(ValueError, match="tensors this config does not use"):
+    hf.params_from_hf(extra, c)
+  bad = tmp_path / "model.safetensors"
+  bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+  with pytest.raises(ValueError, match="corrupt safetensors header"):
+    st.load_file(str(bad))
+  bad.write_bytes(b"\x01")
+  with pytest.raises(ValueError, match="truncated"):
+    st.load_file(str(bad))
