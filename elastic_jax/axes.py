@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from elastic_jax.config import ModelConfig
+from elastic_jax.config import PER_LAYER_FIELDS, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,11 @@ class Axis:
 
   def full(self, config: ModelConfig) -> int:
     return self.choices(config)[0]
+
+  def full_sizes(self, config: ModelConfig) -> tuple[int, ...]:
+    """The model's own size per layer of this axis (differs per layer in sliced models)."""
+    per = getattr(config, PER_LAYER_FIELDS[self.name]) if self.layer_kind else ()
+    return per or (self.full(config),) * self.num_layers(config)
 
   def dim_size(self, count, config: ModelConfig):
     """Size of the touched leaf dim for `count` (works on ints and traced floats)."""
@@ -100,7 +105,10 @@ def normalize_counts(config: ModelConfig, counts: Mapping[str, Any] | None,
   out = {}
   for name, axis in AXES.items():
     n = axis.num_layers(config)
-    value = counts.get(name, axis.full(config))
+    if name not in counts:
+      out[name] = axis.full_sizes(config)
+      continue
+    value = counts[name]
     if isinstance(value, (Sequence,)) and not isinstance(value, str):
       value = tuple(value)
       if axis.layer_kind is None:
@@ -112,13 +120,13 @@ def normalize_counts(config: ModelConfig, counts: Mapping[str, Any] | None,
     else:
       value = (value,) * n
     if validate:
-      for v in value:
-        _validate_count(config, axis, v)
+      for v, full in zip(value, axis.full_sizes(config)):
+        _validate_count(config, axis, v, full)
     out[name] = value
   return out
 
 
-def _validate_count(config: ModelConfig, axis: Axis, v) -> None:
+def _validate_count(config: ModelConfig, axis: Axis, v, full: int) -> None:
   choices = axis.choices(config)
   if isinstance(v, bool) or not isinstance(v, int):
     try:
@@ -129,8 +137,8 @@ def _validate_count(config: ModelConfig, axis: Axis, v) -> None:
         raise TypeError
     except (TypeError, ValueError):
       raise _err(axis.name, f"count must be an int, got {v!r}", choices) from None
-  if v > axis.full(config):
-    raise _err(axis.name, f"count {v} exceeds the parent's {axis.full(config)}", choices)
+  if v > full:
+    raise _err(axis.name, f"count {v} exceeds the parent's {full}", choices)
   if axis.name == "mamba_heads" and v % config.mamba_n_groups:
     raise _err(axis.name, f"count {v} is not a multiple of mamba_n_groups="
                f"{config.mamba_n_groups}", choices)
@@ -157,3 +165,30 @@ def uses_for(kind_of_leaf: str, path: tuple[str, ...]):
       if use.path == path and (use.kind == kind_of_leaf or
                                (use.kind == "all" and kind_of_leaf != "global")):
         yield axis, use
+
+
+def map_param_leaves(config: ModelConfig, tree, fn):
+  """Rebuilds a params-shaped tree with fn(kind, layer, path, leaf) on every leaf.
+
+  `kind` is "global" (layer None) or the layer's pattern char; `path` is a tuple of dict keys
+  relative to the root (global) or to the layer dict. Non-dict values are leaves.
+  """
+  def rec(node, kind, layer, prefix):
+    if isinstance(node, dict):
+      return {k: rec(v, kind, layer, prefix + (k,)) for k, v in node.items()}
+    return fn(kind, layer, prefix, node)
+
+  out = {k: rec(v, "global", None, (k,)) for k, v in tree.items() if k != "layers"}
+  out["layers"] = [rec(layer, config.layer_pattern[i], i, ())
+                   for i, layer in enumerate(tree["layers"])]
+  return out
+
+
+def leaf_sizes(config: ModelConfig, counts: dict[str, tuple], kind: str, layer, path, shape):
+  """`shape` with each axis-touched dim replaced by that axis' count (normalized counts)."""
+  lc = ({a: v[0] for a, v in counts.items()} if layer is None
+        else layer_counts(config, counts, layer))
+  dims = list(shape)
+  for axis, use in uses_for(kind, path):
+    dims[use.dim] = axis.dim_size(lc[axis.name], config)
+  return dims

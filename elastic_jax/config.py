@@ -12,6 +12,11 @@ from typing import Any, Mapping
 
 LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
+# Elastic per-layer axes: axis name -> per-layer size field, and (layer kind, homogeneous field).
+PER_LAYER_FIELDS = {"mamba_heads": "mamba_heads_per_layer", "moe_experts": "experts_per_layer",
+                    "moe_ffn": "moe_ffn_per_layer"}
+PER_LAYER_SIZES = (("M", "mamba_num_heads"), ("E", "n_routed_experts"),
+                   ("E", "moe_intermediate_size"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,11 @@ class ModelConfig:
   expert_choices: tuple[int, ...] = ()
   moe_ffn_choices: tuple[int, ...] = ()
   budgets: tuple[tuple[str, float], ...] = (("full", 1.0),)
+  # Heterogeneous (sliced per-layer) models: one size per layer of that kind; () = homogeneous.
+  # The homogeneous fields above then hold the largest per-layer size.
+  mamba_heads_per_layer: tuple[int, ...] = ()
+  experts_per_layer: tuple[int, ...] = ()
+  moe_ffn_per_layer: tuple[int, ...] = ()
 
   def __post_init__(self):
     # Fill empty choice lists with the full size, then validate everything.
@@ -75,6 +85,8 @@ class ModelConfig:
                        ("moe_ffn_choices", self.moe_intermediate_size)):
       value = tuple(int(v) for v in getattr(self, name)) or (full,)
       object.__setattr__(self, name, value)
+    for name in PER_LAYER_FIELDS.values():
+      object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
     object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
     object.__setattr__(self, "budgets", tuple((str(n), float(f)) for n, f in self.budgets))
     self._validate()
@@ -106,6 +118,23 @@ class ModelConfig:
         return f
     raise ValueError(f"unknown budget {name!r}; allowed: {list(self.budget_names)}")
 
+  @property
+  def is_homogeneous(self) -> bool:
+    return not any(getattr(self, f) for f in PER_LAYER_FIELDS.values())
+
+  def layer_config(self, layer: int) -> "ModelConfig":
+    """This config with the per-layer sizes of `layer` as the homogeneous sizes."""
+    if self.is_homogeneous:
+      return self
+    kind = self.layer_pattern[layer]
+    kw = {f: () for f in PER_LAYER_FIELDS.values()}
+    for (k, size_field), per_field in zip(PER_LAYER_SIZES, PER_LAYER_FIELDS.values()):
+      sizes = getattr(self, per_field)
+      if k == kind and sizes:
+        kw[size_field] = sizes[self.layers_of(kind).index(layer)]
+    kw.update(hidden_choices=(), mamba_head_choices=(), expert_choices=(), moe_ffn_choices=())
+    return self.replace(**kw)
+
   def replace(self, **kwargs) -> "ModelConfig":
     return dataclasses.replace(self, **kwargs)
 
@@ -124,6 +153,9 @@ class ModelConfig:
     d = dict(d)
     for k in ("hidden_choices", "mamba_head_choices", "expert_choices", "moe_ffn_choices",
               "time_step_limit"):
+      if k in d:
+        d[k] = tuple(d[k])
+    for k in PER_LAYER_FIELDS.values():
       if k in d:
         d[k] = tuple(d[k])
     if "budgets" in d:
@@ -165,6 +197,18 @@ class ModelConfig:
       if getattr(self, f) not in DTYPES:
         err(f, f"{getattr(self, f)!r} not in {DTYPES}")
     self._validate_choices(err)
+    for (kind, size_field), per_field in zip(PER_LAYER_SIZES, PER_LAYER_FIELDS.values()):
+      sizes = getattr(self, per_field)
+      n = self.layer_pattern.count(kind)
+      if sizes and (len(sizes) != n or max(sizes) != getattr(self, size_field) or min(sizes) <= 0):
+        err(per_field, f"needs {n} positive sizes (one per {kind!r} layer) whose max equals "
+            f"{size_field}={getattr(self, size_field)}, got {sizes}")
+    bad = [h for h in self.mamba_heads_per_layer if h % self.mamba_n_groups]
+    if bad:
+      err("mamba_heads_per_layer", f"{bad} are not multiples of mamba_n_groups")
+    bad = [e for e in self.experts_per_layer if e < self.num_experts_per_tok]
+    if bad:
+      err("experts_per_layer", f"{bad} are below num_experts_per_tok")
     names = [n for n, _ in self.budgets]
     if not names or len(set(names)) != len(names):
       err("budgets", f"need unique budget names, got {names}")

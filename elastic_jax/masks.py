@@ -46,6 +46,9 @@ def axis_mask_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
 
 def from_counts(config: ModelConfig, counts: Mapping[str, Any] | None) -> BudgetMasks:
   """Hard prefix masks for per-axis counts (int or one per layer); validates the counts."""
+  if not config.is_homogeneous:
+    raise ValueError("budget masks apply to a homogeneous parent; this config has per-layer "
+                     "sizes (a sliced model): slice it further with slicing.slice_params")
   norm = normalize_counts(config, counts)
   fields = {}
   for name, axis in AXES.items():

@@ -14,9 +14,8 @@ from typing import Any, Mapping
 
 import jax
 
-from elastic_jax.axes import ROUTED_EXPERT_LEAVES, layer_counts, normalize_counts, uses_for
+from elastic_jax.axes import ROUTED_EXPERT_LEAVES, leaf_sizes, map_param_leaves, normalize_counts
 from elastic_jax.config import ModelConfig
-from elastic_jax.model import init_utils as iu
 from elastic_jax.model.model import param_specs
 
 
@@ -31,45 +30,25 @@ class ParamCount:
     return self.active - self.embedding
 
 
-def _leaf_items(tree, prefix=()):
-  if isinstance(tree, iu.Spec):
-    yield prefix, tree
-  else:
-    for k, v in tree.items():
-      yield from _leaf_items(v, prefix + (k,))
-
-
-def _sized(shape, kind, path, counts, config):
-  dims = list(shape)
-  for axis, use in uses_for(kind, path):
-    dims[use.dim] = axis.dim_size(counts[axis.name], config)
-  return dims
-
-
 def count_params(config: ModelConfig, counts: Mapping[str, Any] | None = None,
                  validate: bool = True) -> ParamCount:
   """Total / active parameter counts of the sub-model with per-axis `counts` (full if None)."""
   norm = normalize_counts(config, counts, validate)
-  specs = param_specs(config)
-  glob = {a: v[0] for a, v in norm.items()}
-  total = active = 0
-  embedding = None
-  for name in ("embed", "final_norm", "lm_head"):
-    size = math.prod(_sized(specs[name].shape, "global", (name,), glob, config))
-    total, active = total + size, active + size
-    if name == "embed":
-      embedding = size
-  for i, (kind, layer) in enumerate(zip(config.layer_pattern, specs["layers"])):
-    lc = layer_counts(config, norm, i)
-    for path, spec in _leaf_items(layer):
-      dims = _sized(spec.shape, kind, path, lc, config)
+  totals = {"total": 0, "active": 0, "embedding": 0}
+
+  def visit(kind, layer, path, spec):
+    dims = leaf_sizes(config, norm, kind, layer, path, spec.shape)
+    size = math.prod(dims)
+    totals["total"] = totals["total"] + size
+    if path == ("embed",):
+      totals["embedding"] = size
+    if kind == "E" and path in ROUTED_EXPERT_LEAVES:
+      dims[0] = config.num_experts_per_tok
       size = math.prod(dims)
-      total = total + size
-      if kind == "E" and path in ROUTED_EXPERT_LEAVES:
-        dims[0] = config.num_experts_per_tok
-        size = math.prod(dims)
-      active = active + size
-  return ParamCount(total=total, active=active, embedding=embedding)
+    totals["active"] = totals["active"] + size
+
+  map_param_leaves(config, param_specs(config), visit)
+  return ParamCount(**totals)
 
 
 def count_leaves(params) -> int:

@@ -24,8 +24,9 @@ def param_specs(c: ModelConfig) -> dict:
   D, V = c.hidden_size, c.vocab_size
   return {
       "embed": iu.Spec((V, D), c.param_dtype, iu.normal(c.initializer_range)),
-      "layers": [{"norm": iu.Spec((D,), c.param_dtype, iu.ones), "mixer": _MIXER_SPECS[k](c)}
-                 for k in c.layer_pattern],
+      "layers": [{"norm": iu.Spec((D,), c.param_dtype, iu.ones),
+                  "mixer": _MIXER_SPECS[k](c.layer_config(i))}
+                 for i, k in enumerate(c.layer_pattern)],
       "final_norm": iu.Spec((D,), c.param_dtype, iu.ones),
       "lm_head": iu.Spec((D, V), c.param_dtype, iu.normal(c.initializer_range)),
   }
