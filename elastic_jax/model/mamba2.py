@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import init_utils as iu
-from elastic_jax.model.norms import gated_group_rms_norm
+from elastic_jax.model.norms import channel_score, gated_group_rms_norm
 from elastic_jax.model.ssd import ssd_chunked, ssd_sequential
 
 
@@ -55,8 +55,12 @@ def causal_conv(x_BTC, w_KC, b_C=None):
   return out if b_C is None else out + b_C
 
 
-def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunked"):
-  """Mamba-2 mixer forward. `head_mask_GH` keeps a prefix of heads in each group."""
+def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunked",
+           collect: bool = False):
+  """Mamba-2 mixer forward. `head_mask_GH` keeps a prefix of heads in each group.
+
+  With `collect`, also returns {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P].
+  """
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
   proj = lambda w, spec: jnp.einsum(spec, x_BTD, w.astype(dt_))
@@ -65,6 +69,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunk
   Bm = proj(p["in_B"], "btd,dgn->btgn")
   Cm = proj(p["in_C"], "btd,dgn->btgn")
   dt_raw = proj(p["in_dt"], "btd,dgh->btgh")
+  stats = {"x": channel_score(xs)} if collect else None
 
   act = lambda v: jax.nn.silu(v)
   xs = act(causal_conv(xs, p["conv_x"].astype(dt_), _opt(p, "conv_x_bias", dt_)))
@@ -82,7 +87,8 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunk
     raise ValueError(f"scan must be 'chunked' or 'sequential', got {scan!r}")
   y = y + p["D"].astype(jnp.float32)[..., None] * xs.astype(jnp.float32)
   y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, head_mask_GH).astype(dt_)
-  return jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
+  out = jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
+  return (out, stats) if collect else out
 
 
 def _opt(p, name, dtype):

@@ -14,7 +14,7 @@ from elastic_jax.model import attention as attn_lib
 from elastic_jax.model import init_utils as iu
 from elastic_jax.model import mamba2 as mamba_lib
 from elastic_jax.model import moe as moe_lib
-from elastic_jax.model.norms import rms_norm
+from elastic_jax.model.norms import channel_score, rms_norm
 
 _MIXER_SPECS = {"M": mamba_lib.param_specs, "*": attn_lib.param_specs, "E": moe_lib.param_specs,
                 "-": moe_lib.mlp_param_specs}
@@ -43,10 +43,11 @@ def param_shapes(config: ModelConfig) -> dict:
 
 
 def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: ModelConfig,
-          moe_impl: str = "dense", scan: str = "chunked"):
+          moe_impl: str = "dense", scan: str = "chunked", collect: bool = False):
   """Logits [B,T,V] (fp32) for int tokens [B,T], optionally at a budget given by `masks`.
 
-  The residual stream is kept in fp32; matmuls run in `config.compute_dtype`.
+  The residual stream is kept in fp32; matmuls run in `config.compute_dtype`. With `collect`,
+  returns (logits, stats): one dict per layer of calibration statistics (see `importance`).
   """
   c = config
   tokens_BT = jnp.asarray(tokens_BT)
@@ -62,23 +63,29 @@ def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: 
   if hm is not None:
     x = x * hm
   counters = {"M": 0, "E": 0, "*": 0, "-": 0}
+  stats = []
   for layer, kind in zip(params["layers"], c.layer_pattern):
     j = counters[kind]
     counters[kind] += 1
     h = rms_norm(x, layer["norm"], c.norm_eps, hm)
     p = layer["mixer"]
+    aux = None
     if kind == "M":
-      out = mamba_lib.mamba2(p, h, c, masks.layer("mamba_heads", j), scan=scan)
+      out = mamba_lib.mamba2(p, h, c, masks.layer("mamba_heads", j), scan=scan, collect=collect)
     elif kind == "*":
       out = attn_lib.attention(p, h, c)
     elif kind == "E":
       out = moe_lib.moe(p, h, c, masks.layer("moe_experts", j), masks.layer("moe_ffn", j),
-                        impl=moe_impl)
+                        impl=moe_impl, collect=collect)
     else:
       out = moe_lib.mlp(p, h, c)
+    if collect:
+      out, aux = out if kind in "ME" else (out, None)
+      stats.append({"hidden": channel_score(h), **(aux or {})})
     out = out.astype(jnp.float32)
     x = x + (out if hm is None else out * hm)
   x = rms_norm(x, params["final_norm"], c.norm_eps, hm)
   dt_ = jnp.dtype(c.compute_dtype)
-  return jnp.einsum("btd,dv->btv", x.astype(dt_), params["lm_head"].astype(dt_),
-                    preferred_element_type=jnp.float32)
+  logits = jnp.einsum("btd,dv->btv", x.astype(dt_), params["lm_head"].astype(dt_),
+                      preferred_element_type=jnp.float32)
+  return (logits, stats) if collect else logits

@@ -56,14 +56,16 @@ def route(p: dict, x_TD, c: ModelConfig, expert_mask_E=None):
   return gates, idx
 
 
-def _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_):
+def _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=False):
   E = p["up"].shape[0]
   combine_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)
   h = jnp.einsum("td,edf->tef", x_TD, p["up"].astype(dt_))
   if ffn_mask_F is not None:
     h = h * ffn_mask_F.astype(dt_)
-  y = jnp.einsum("tef,efd->ted", relu2(h), p["down"].astype(dt_))
-  return jnp.einsum("te,ted->td", combine_TE.astype(dt_), y)
+  act = relu2(h)
+  y = jnp.einsum("tef,efd->ted", act, p["down"].astype(dt_))
+  out = jnp.einsum("te,ted->td", combine_TE.astype(dt_), y)
+  return (out, act, y) if with_acts else out
 
 
 def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_):
@@ -82,17 +84,35 @@ def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_):
   return jnp.zeros_like(x_TD).at[token_of].add(y)
 
 
-def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, impl: str = "dense"):
+def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, impl: str = "dense",
+        collect: bool = False):
+  """MoE forward. With `collect`, also returns calibration statistics (dense path):
+  ffn [F] = sum_b (mean over routed (t, e) of |relu^2 act|)^2; per expert sums over routed tokens
+  of g * ||E(x)|| (REAP), of ||E(x)|| (ModelOpt) and the routed-token count."""
   if impl not in MOE_IMPLS:
     raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
   dt_ = jnp.dtype(c.compute_dtype)
   B, T, D = x_BTD.shape
   x_TD = x_BTD.reshape(B * T, D).astype(dt_)
   gates, idx = route(p, x_TD, c, expert_mask_E)
-  routed = (_experts_dense if impl == "dense" else _experts_ragged)(
-      p, x_TD, gates, idx, ffn_mask_F, dt_)
+  stats = None
+  if collect:
+    routed, act, y = _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=True)
+    E = p["up"].shape[0]
+    hit_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=1)
+    gate_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)
+    norm_TE = jnp.linalg.norm(y.astype(jnp.float32), axis=-1)
+    a = jnp.abs(act.astype(jnp.float32)).reshape(B, T, E, -1) * hit_TE.reshape(B, T, E, 1)
+    per_b = jnp.sum(a, axis=(1, 2)) / jnp.maximum(jnp.sum(hit_TE.reshape(B, T, E), (1, 2)), 1)[:, None]
+    stats = {"ffn": jnp.sum(jnp.square(per_b), 0),
+             "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
+             "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0)}
+  else:
+    routed = (_experts_dense if impl == "dense" else _experts_ragged)(
+        p, x_TD, gates, idx, ffn_mask_F, dt_)
   shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)
-  return (routed + shared).reshape(B, T, D)
+  out = (routed + shared).reshape(B, T, D)
+  return (out, stats) if collect else out
 
 
 def mlp_param_specs(c: ModelConfig) -> dict:

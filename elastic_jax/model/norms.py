@@ -39,3 +39,8 @@ def gated_group_rms_norm(y_BTGHP, z_BTGHP, weight_GHP, eps: float, head_mask_GH=
           / jnp.sum(m, axis=(-2, -1), keepdims=True))
     out = g * jax.lax.rsqrt(ms + eps) * w * m
   return out.astype(y_BTGHP.dtype)
+
+
+def channel_score(a_BT_):
+  """Minitron activation statistic per channel: sum_b (mean_t |a[b, t, ...]|)^2 (fp32)."""
+  return jnp.sum(jnp.square(jnp.mean(jnp.abs(a_BT_.astype(jnp.float32)), axis=1)), axis=0)

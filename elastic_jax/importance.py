@@ -1,0 +1,92 @@
+"""Calibration statistics and importance scores (Minitron activations + REAP expert saliency).
+
+Per batch, for a channel c: a_c += sum_b (mean_t |act[b, t, c]|)^2; importance = sqrt(a_c).
+- hidden: on every pre-mixer RMSNorm output, importance summed over layers;
+- Mamba: on the x part of in_proj ([groups, heads, head_dim]); head channels ranked by the L2
+  over heads, a head scored by the L2 of its top `mamba_top_channels` channels (all by default);
+  heads are ranked within their group by the nesting step;
+- expert FFN width: after relu^2 on routed tokens, one score per layer shared by its experts;
+- experts: REAP S_j = mean over tokens routed to j of g_j(x) ||E_j(x)||_2 with the model's own
+  normalised sigmoid gate, or the ModelOpt variant mean ||E_j(x)||_2 (`expert_score="modelopt"`).
+Only forward passes; batches stream through one jitted step, any number of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.model.model import apply
+
+EXPERT_SCORES = ("reap", "modelopt")
+
+
+@dataclasses.dataclass
+class Importance:
+  """Importance per elastic axis; per-layer axes carry a leading layer dim (layers of that kind)."""
+  hidden: Any          # [D]
+  mamba_heads: Any     # [L_mamba, G, H]
+  mamba_channels: Any  # [L_mamba, P]
+  moe_ffn: Any         # [L_moe, F]
+  moe_experts: Any     # [L_moe, E]
+  num_tokens: int = 0
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _batch_stats(params, tokens, config: ModelConfig):
+  _, stats = apply(params, tokens, config=config, collect=True)
+  return stats
+
+
+def accumulate(params, config: ModelConfig, batches: Iterable, log_every: int = 0):
+  """Sums per-layer statistics over an iterable of int token batches [B, T]."""
+  total, n_tokens, t0 = None, 0, time.perf_counter()
+  for i, tokens in enumerate(batches):
+    tokens = jnp.asarray(tokens)
+    stats = _batch_stats(params, tokens, config)
+    total = stats if total is None else jax.tree_util.tree_map(jnp.add, total, stats)
+    n_tokens += int(tokens.size)
+    if log_every and (i + 1) % log_every == 0:
+      dt = time.perf_counter() - t0
+      print(f"importance: {i + 1} batches, {n_tokens:,} tokens, {n_tokens / dt:,.0f} tok/s",
+            flush=True)
+  if total is None:
+    raise ValueError("importance.accumulate got no calibration batches")
+  return total, n_tokens
+
+
+def scores_from_stats(stats, config: ModelConfig, n_tokens: int = 0, expert_score: str = "reap",
+                      mamba_top_channels: int | None = None) -> Importance:
+  if expert_score not in EXPERT_SCORES:
+    raise ValueError(f"expert_score must be one of {EXPERT_SCORES}, got {expert_score!r}")
+  hidden = sum(jnp.sqrt(s["hidden"]) for s in stats)
+  heads, channels, ffn, experts = [], [], [], []
+  for kind, s in zip(config.layer_pattern, stats):
+    if kind == "M":
+      x = jnp.sqrt(s["x"])                                   # [G, H, P]
+      ch = jnp.sqrt(jnp.sum(jnp.square(x), axis=(0, 1)))     # [P]
+      k = mamba_top_channels or x.shape[-1]
+      top = jnp.argsort(-ch)[:k]
+      heads.append(jnp.sqrt(jnp.sum(jnp.square(x[..., top]), axis=-1)))
+      channels.append(ch)
+    elif kind == "E":
+      ffn.append(jnp.sqrt(s["ffn"]))
+      num = s["reap_sum"] if expert_score == "reap" else s["norm_sum"]
+      experts.append(jnp.where(s["count"] > 0, num / jnp.maximum(s["count"], 1.0), 0.0))
+  stack = lambda xs: jnp.stack(xs) if xs else None
+  return Importance(hidden=hidden, mamba_heads=stack(heads), mamba_channels=stack(channels),
+                    moe_ffn=stack(ffn), moe_experts=stack(experts), num_tokens=n_tokens)
+
+
+def compute_importance(params, config: ModelConfig, batches: Iterable, expert_score: str = "reap",
+                       mamba_top_channels: int | None = None, log_every: int = 0) -> Importance:
+  """Runs calibration batches and returns `Importance` scores for every elastic axis."""
+  if not config.is_homogeneous:
+    raise ValueError("importance is computed on a homogeneous parent, not a per-layer slice")
+  stats, n = accumulate(params, config, batches, log_every)
+  return scores_from_stats(stats, config, n, expert_score, mamba_top_channels)

@@ -1,0 +1,134 @@
+"""Importance scores and function-preserving nesting; ranking beats the identity order."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from elastic_jax import apply
+from elastic_jax.importance import compute_importance, accumulate
+from elastic_jax.model import moe as moe_lib
+from elastic_jax.nesting import nest, permute_params
+from elastic_jax.slicing import slice_params
+
+# One budget per axis and a combined one (measured: combined 3.68 unranked vs 1.50 ranked).
+BUDGETS = [{"hidden": 24}, {"mamba_heads": 4}, {"moe_experts": 4}, {"moe_ffn": 8},
+           {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12}]
+
+
+def markov_batches(cfg, n, batch=8, T=32, seed=0):
+  """Low-entropy order-1 Markov chain over the vocab: learnable in a few hundred steps."""
+  rs = np.random.RandomState(seed)
+  succ = np.random.RandomState(123).randint(0, cfg.vocab_size, (cfg.vocab_size, 2))
+  for _ in range(n):
+    x = np.zeros((batch, T), np.int32)
+    x[:, 0] = rs.randint(0, cfg.vocab_size, batch)
+    for t in range(1, T):
+      x[:, t] = succ[x[:, t - 1], rs.randint(0, 2, batch)]
+    yield jnp.asarray(x)
+
+
+def lm_loss(params, tokens, cfg):
+  logits = apply(params, tokens[:, :-1], config=cfg)
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+
+@pytest.fixture(scope="module")
+def trained(cfg, params):
+  opt = optax.adam(3e-3)
+
+  @jax.jit
+  def step(p, s, x):
+    loss, g = jax.value_and_grad(lm_loss)(p, x, cfg)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  p, s = params, opt.init(params)
+  losses = []
+  for x in markov_batches(cfg, 300):
+    p, s, loss = step(p, s, x)
+    losses.append(float(loss))
+  assert np.mean(losses[-20:]) < 0.6 * np.mean(losses[:20])
+  return p
+
+
+def _random_perms(cfg, key):
+  k = jax.random.split(key, 4)
+  Lm, Le = len(cfg.layers_of("M")), len(cfg.layers_of("E"))
+  G, H = cfg.mamba_n_groups, cfg.mamba_heads_per_group
+  perm = lambda key, shape: jnp.argsort(jax.random.uniform(key, shape), axis=-1)
+  return {"hidden": perm(k[0], (cfg.hidden_size,)), "mamba_heads": perm(k[1], (Lm, G, H)),
+          "moe_experts": perm(k[2], (Le, cfg.n_routed_experts)),
+          "moe_ffn": perm(k[3], (Le, cfg.moe_intermediate_size))}
+
+
+def test_random_permutation_preserves_function(cfg, params, tokens):
+  permuted = permute_params(params, cfg, _random_perms(cfg, jax.random.PRNGKey(5)))
+  assert not np.allclose(permuted["embed"], params["embed"])
+  np.testing.assert_allclose(apply(permuted, tokens, config=cfg), apply(params, tokens, config=cfg),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_nesting_preserves_function_and_helps(cfg, trained, tokens):
+  scores = compute_importance(trained, cfg, markov_batches(cfg, 4, seed=1))
+  nested = nest(trained, cfg, scores)
+  np.testing.assert_allclose(apply(nested, tokens, config=cfg), apply(trained, tokens, config=cfg),
+                             rtol=1e-5, atol=1e-5)
+  # Ranking is used: the small prefix of the nested model loses less than that of the original.
+  evals = list(markov_batches(cfg, 4, seed=2))
+  loss = lambda p, c: float(np.mean([lm_loss(p, x, c) for x in evals]))
+  full = loss(trained, cfg)
+  for counts in BUDGETS:
+    plain = loss(*slice_params(trained, cfg, counts))
+    ranked = loss(*slice_params(nested, cfg, counts))
+    print(f"{counts}: val loss full {full:.3f}, prefix unranked {plain:.3f}, ranked {ranked:.3f}")
+    assert full < ranked < plain
+  # Each budget's sorted scores are descending after nesting.
+  again = compute_importance(nested, cfg, markov_batches(cfg, 4, seed=1))
+  assert np.all(np.diff(np.asarray(again.hidden)) <= 1e-4 * float(again.hidden.max()))
+
+
+def test_importance_shapes_and_streaming(cfg, params):
+  batches = list(markov_batches(cfg, 3, batch=2, T=8))
+  s = compute_importance(params, cfg, batches)
+  assert s.hidden.shape == (cfg.hidden_size,) and s.num_tokens == 48
+  assert s.mamba_heads.shape == (2, 2, 4) and s.mamba_channels.shape == (2, 4)
+  assert s.moe_ffn.shape == (2, 16) and s.moe_experts.shape == (2, 8)
+  total, _ = accumulate(params, cfg, batches)
+  parts = [accumulate(params, cfg, [b])[0] for b in batches]
+  summed = jax.tree_util.tree_map(lambda *xs: sum(xs), *parts)
+  for a, b in zip(jax.tree_util.tree_leaves(total), jax.tree_util.tree_leaves(summed)):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+  with pytest.raises(ValueError, match="no calibration batches"):
+    compute_importance(params, cfg, [])
+  with pytest.raises(ValueError, match="expert_score must be one of"):
+    compute_importance(params, cfg, batches, expert_score="softmax")
+
+
+def test_reap_and_ffn_reference(cfg, params):
+  """REAP / ModelOpt / FFN statistics vs an explicit per-token numpy loop."""
+  p = jax.tree_util.tree_map(np.asarray, params["layers"][cfg.layer_pattern.index("E")]["mixer"])
+  x = np.random.RandomState(0).randn(2, 5, cfg.hidden_size).astype(np.float32)
+  _, st = moe_lib.moe(p, jnp.asarray(x), cfg, collect=True)
+  gates, idx = (np.asarray(a) for a in moe_lib.route(p, jnp.asarray(x.reshape(10, -1)), cfg))
+  E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+  reap, norm, count, ffn = np.zeros(E), np.zeros(E), np.zeros(E), np.zeros(F)
+  for b in range(2):
+    acc, n = np.zeros(F), 0
+    for t in range(5):
+      xt = x[b, t]
+      for g, e in zip(gates[b * 5 + t], idx[b * 5 + t]):
+        act = np.maximum(xt @ p["up"][e], 0) ** 2
+        out = np.linalg.norm(act @ p["down"][e])
+        reap[e] += g * out
+        norm[e] += out
+        count[e] += 1
+        acc += np.abs(act)
+        n += 1
+    ffn += (acc / n) ** 2
+  np.testing.assert_allclose(st["reap_sum"], reap, rtol=1e-4)
+  np.testing.assert_allclose(st["norm_sum"], norm, rtol=1e-4)
+  np.testing.assert_array_equal(st["count"], count)
+  np.testing.assert_allclose(st["ffn"], ffn, rtol=1e-4)
