@@ -1,0 +1,196 @@
+"""One nested Orbax checkpoint for the whole family; restore any sub-model reading prefixes only.
+
+Layout of a checkpoint directory:
+  metadata.json   format tag, ModelConfig, axis choices, budget -> counts, tokenizer reference
+  state/          Orbax PyTree checkpoint of {"params": ..., "router": ...} (router optional)
+Arrays are stored in small chunks, so restoring a sub-model (Orbax partial restore with a smaller
+`global_shape`, i.e. a prefix of each dim) reads about that sub-model's share of the bytes.
+Saves are atomic: everything is written to a temporary sibling directory, then renamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from elastic_jax.axes import AXES, normalize_counts
+from elastic_jax.config import ModelConfig
+from elastic_jax.model.model import param_shapes
+from elastic_jax.slicing import sliced_config
+
+FORMAT = "elastic-jax-nested-v1"
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+
+
+class CheckpointError(ValueError):
+  pass
+
+
+def _checkpointer():
+  # Plain zarr (one file per chunk) rather than OCDBT: a prefix restore then opens only the
+  # chunk files it intersects.
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+
+
+def _flat_shapes(tree) -> dict[str, tuple]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in flat}
+
+
+def _check_params(params, config: ModelConfig, what: str):
+  want, got = _flat_shapes(param_shapes(config)), _flat_shapes(params)
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise CheckpointError(f"{what}: parameter tree does not match the config; missing "
+                          f"{missing[:5]}, unexpected {extra[:5]}")
+  for k, shape in want.items():
+    if got[k] != shape:
+      raise CheckpointError(f"{what}: leaf {k} has shape {got[k]}, config expects {shape}")
+
+
+def save(path: str, params, config: ModelConfig, *, router=None,
+         budget_counts: Mapping[str, Mapping[str, Any]] | None = None,
+         tokenizer: str | None = None, extra: Mapping[str, Any] | None = None,
+         overwrite: bool = False, chunk_byte_size: int = DEFAULT_CHUNK_BYTES) -> str:
+  """Atomically writes a nested checkpoint of `params` (the full parent) to `path`."""
+  path = os.path.abspath(path)
+  _check_params(params, config, "save")
+  budget_counts = {str(b): dict(c) for b, c in (budget_counts or {}).items()}
+  for b, c in budget_counts.items():
+    config.budget_fraction(b)
+    normalize_counts(config, c)
+  if os.path.exists(path) and not overwrite:
+    raise CheckpointError(f"{path} exists; pass overwrite=True to replace it")
+  tmp = f"{path}.tmp-{os.getpid()}-{time.time_ns()}"
+  os.makedirs(tmp)
+  try:
+    state = {"params": params} if router is None else {"params": params, "router": router}
+    args = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk_byte_size), state)
+    _checkpointer().save(os.path.join(tmp, "state"), state, save_args=args)
+    meta = {"format": FORMAT, "config": config.to_dict(),
+            "axes": {n: list(a.choices(config)) for n, a in AXES.items()},
+            "budget_counts": {b: {k: list(v) if isinstance(v, (list, tuple)) else int(v)
+                                  for k, v in c.items()} for b, c in budget_counts.items()},
+            "has_router": router is not None, "tokenizer": tokenizer, "extra": dict(extra or {}),
+            "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()}}
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+      json.dump(meta, f, indent=1)
+    old = None
+    if os.path.exists(path):
+      old = f"{path}.old-{time.time_ns()}"
+      os.rename(path, old)
+    os.rename(tmp, path)
+    if old:
+      shutil.rmtree(old, ignore_errors=True)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return path
+
+
+def load_metadata(path: str) -> dict:
+  meta_path = os.path.join(path, "metadata.json")
+  if not os.path.isdir(path):
+    raise CheckpointError(f"no checkpoint directory at {path}")
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{path}: missing metadata.json (not an elastic-jax checkpoint, or "
+                          "an interrupted save)") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{meta_path}: corrupt JSON ({e})") from None
+  if meta.get("format") != FORMAT:
+    raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+  return meta
+
+
+def load_config(path: str) -> ModelConfig:
+  try:
+    return ModelConfig.from_dict(load_metadata(path)["config"])
+  except (TypeError, KeyError) as e:
+    raise CheckpointError(f"{path}: bad config in metadata.json ({e})") from None
+
+
+def resolve_counts(path: str, budget: str | Mapping[str, Any] | None) -> dict | None:
+  """Budget name (looked up in the checkpoint's budget table) or explicit counts -> counts."""
+  if budget is None or isinstance(budget, Mapping):
+    return None if budget is None else dict(budget)
+  meta = load_metadata(path)
+  table = meta.get("budget_counts", {})
+  if budget not in table:
+    raise CheckpointError(f"{path}: unknown budget {budget!r}; this checkpoint has counts for "
+                          f"{sorted(table)} (or pass explicit per-axis counts)")
+  return table[budget]
+
+
+def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
+            expected_config: ModelConfig | None = None, sharding=None):
+  """(params, config) of the sub-model at `budget` (a name or per-axis counts; None = full).
+
+  Reads only the prefix of every array that the sub-model needs.
+  """
+  path = os.path.abspath(path)
+  config = load_config(path)
+  if expected_config is not None and expected_config != config:
+    a, b = expected_config.to_dict(), config.to_dict()
+    diff = sorted(k for k in a if a[k] != b.get(k))
+    raise CheckpointError(f"{path}: config mismatch in fields {diff}")
+  counts = resolve_counts(path, budget)
+  small = sliced_config(config, counts)
+  stored = load_metadata(path)["leaf_shapes"]
+  want = _flat_shapes(param_shapes(config))
+  for k, shape in want.items():
+    if k not in stored:
+      raise CheckpointError(f"{path}: checkpoint lacks leaf {k}")
+    if tuple(stored[k]) != shape:
+      raise CheckpointError(f"{path}: leaf {k} stored with shape {tuple(stored[k])}, config "
+                            f"expects {shape}")
+  ckptr = _checkpointer()
+  state_dir = os.path.join(path, "state")
+  try:
+    on_disk = ckptr.metadata(state_dir).item_metadata.tree["params"]
+  except Exception as e:  # orbax raises many types for a damaged directory
+    raise CheckpointError(f"{path}: unreadable Orbax state ({type(e).__name__}: {e})") from None
+  disk_shapes = _flat_shapes(on_disk)
+  for k, shape in want.items():
+    if disk_shapes.get(k) != shape:
+      raise CheckpointError(f"{path}: Orbax state leaf {k} has shape {disk_shapes.get(k)}, "
+                            f"expected {shape}")
+  sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = param_shapes(small)
+  args = jax.tree_util.tree_map(
+      lambda s: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sharding,
+                                     strict=False), abstract)
+  try:
+    state = ckptr.restore(state_dir, item={"params": abstract}, restore_args={"params": args},
+                          transforms={})
+  except Exception as e:
+    raise CheckpointError(f"{path}: restore failed ({type(e).__name__}: {e})") from None
+  params = state["params"]
+  _check_params(params, small, "restore")
+  return params, small
+
+
+def restore_router(path: str):
+  """The router state saved with the checkpoint (None if it has none)."""
+  if not load_metadata(path).get("has_router"):
+    return None
+  return _checkpointer().restore(os.path.join(os.path.abspath(path), "state"))["router"]
+
+
+def bytes_read() -> int:
+  """Bytes tensorstore has read from local files in this process (for benchmarks)."""
+  import tensorstore as ts
+  metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+  return int(sum(v["value"] for m in metrics for v in m.get("values", [])))
+
+
+def as_numpy(tree):
+  return jax.tree_util.tree_map(np.asarray, tree)
