@@ -25,7 +25,10 @@ from elastic_jax.model.model import param_shapes
 from elastic_jax.slicing import sliced_config
 
 FORMAT = "elastic-jax-nested-v1"
-DEFAULT_CHUNK_BYTES = 1024 * 1024
+# Each leaf is split into about CHUNKS_PER_LEAF chunks (bounded in bytes): fine enough that a
+# prefix restore reads close to its share, coarse enough to keep the file count moderate.
+CHUNKS_PER_LEAF = 128
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -57,8 +60,12 @@ def _check_params(params, config: ModelConfig, what: str):
 def save(path: str, params, config: ModelConfig, *, router=None,
          budget_counts: Mapping[str, Mapping[str, Any]] | None = None,
          tokenizer: str | None = None, extra: Mapping[str, Any] | None = None,
-         overwrite: bool = False, chunk_byte_size: int = DEFAULT_CHUNK_BYTES) -> str:
-  """Atomically writes a nested checkpoint of `params` (the full parent) to `path`."""
+         overwrite: bool = False, chunk_byte_size: int | None = None) -> str:
+  """Atomically writes a nested checkpoint of `params` (the full parent) to `path`.
+
+  `chunk_byte_size` fixes the stored chunk size; by default each leaf gets about
+  `CHUNKS_PER_LEAF` chunks of 4 KiB to 8 MiB.
+  """
   path = os.path.abspath(path)
   _check_params(params, config, "save")
   budget_counts = {str(b): dict(c) for b, c in (budget_counts or {}).items()}
@@ -71,7 +78,8 @@ def save(path: str, params, config: ModelConfig, *, router=None,
   os.makedirs(tmp)
   try:
     state = {"params": params} if router is None else {"params": params, "router": router}
-    args = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk_byte_size), state)
+    args = jax.tree_util.tree_map(
+        lambda x: ocp.SaveArgs(chunk_byte_size=chunk_byte_size or _auto_chunk_bytes(x)), state)
     _checkpointer().save(os.path.join(tmp, "state"), state, save_args=args)
     meta = {"format": FORMAT, "config": config.to_dict(),
             "axes": {n: list(a.choices(config)) for n, a in AXES.items()},
@@ -92,6 +100,11 @@ def save(path: str, params, config: ModelConfig, *, router=None,
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return path
+
+
+def _auto_chunk_bytes(x) -> int:
+  nbytes = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+  return int(min(max(nbytes // CHUNKS_PER_LEAF, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES))
 
 
 def load_metadata(path: str) -> dict:

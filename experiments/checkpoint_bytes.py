@@ -16,7 +16,7 @@ import time
 from absl import app, flags
 
 flags.DEFINE_bool("reduced", False, "small shape for a quick run")
-flags.DEFINE_integer("chunk_bytes", None, "target bytes per stored chunk (default 1 MiB; 16 KiB reduced)")
+flags.DEFINE_integer("chunk_bytes", None, "fixed bytes per stored chunk (default: checkpoint.save's per-leaf rule)")
 flags.DEFINE_string("workdir", None, "where to write the checkpoint (default: a temp dir)")
 FLAGS = flags.FLAGS
 
@@ -58,7 +58,7 @@ def main(argv):
   path = os.path.join(workdir, "nested")
   params = jax.jit(init, static_argnums=0)(cfg, jax.random.PRNGKey(0))
   t0 = time.perf_counter()
-  checkpoint.save(path, params, cfg, overwrite=True, chunk_byte_size=FLAGS.chunk_bytes or (1 << 14 if FLAGS.reduced else 1 << 20),
+  checkpoint.save(path, params, cfg, overwrite=True, chunk_byte_size=FLAGS.chunk_bytes,
                   budget_counts={k: v for k, v in zip(cfg.budget_names, budgets.values())})
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
   print(f"saved {count_params(cfg).total:,} params ({size / 1e6:.1f} MB on disk) in "

@@ -20,7 +20,7 @@ CFG = ModelConfig(
     moe_shared_expert_intermediate_size=24, routed_scaling_factor=2.5, intermediate_size=24,
     initializer_range=0.2,
     hidden_choices=(32, 24, 16), mamba_head_choices=(8, 6, 4, 2), expert_choices=(8, 6, 4),
-    moe_ffn_choices=(16, 12, 8),
+    moe_ffn_choices=(16, 12, 8), budgets=(("full", 1.0), ("small", 0.5)),
 )
 
 

@@ -1,0 +1,88 @@
+"""Nested checkpoint: atomic save, full and sub-model restore (prefix reads), clear errors."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from elastic_jax import apply, checkpoint, from_counts
+from elastic_jax.checkpoint import CheckpointError
+
+SMALL = {"hidden": 16, "mamba_heads": (2, 8), "moe_experts": 4, "moe_ffn": 8}
+
+
+@pytest.fixture(scope="module")
+def ckpt(cfg, params, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("ck") / "nested")
+  router = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+  checkpoint.save(path, params, cfg, router=router, chunk_byte_size=1024, tokenizer="tok.json",
+                  budget_counts={"full": {}, "small": SMALL})
+  return path
+
+
+def test_full_restore_roundtrip(cfg, params, ckpt):
+  restored, rcfg = checkpoint.restore(ckpt, expected_config=cfg)
+  assert rcfg == cfg
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(checkpoint.restore_router(ckpt)["w"], np.arange(6.0).reshape(2, 3))
+  meta = checkpoint.load_metadata(ckpt)
+  assert meta["tokenizer"] == "tok.json" and meta["axes"]["hidden"] == [32, 24, 16]
+
+
+def test_sub_model_restore_reads_prefix_only(cfg, params, tokens, ckpt):
+  b0 = checkpoint.bytes_read()
+  checkpoint.restore(ckpt)
+  b1 = checkpoint.bytes_read()
+  small, small_cfg = checkpoint.restore(ckpt, "small")
+  b2 = checkpoint.bytes_read()
+  assert small_cfg.hidden_size == 16 and small_cfg.mamba_heads_per_layer == (2, 8)
+  masked = apply(params, tokens, from_counts(cfg, SMALL), config=cfg)
+  np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
+  assert (b2 - b1) < 0.6 * (b1 - b0), (b2 - b1, b1 - b0)
+
+
+def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
+  with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
+    checkpoint.save(ckpt, params, cfg)
+  bad = dict(params, final_norm=np.zeros(3, np.float32))
+  target = str(tmp_path / "c")
+  with pytest.raises(CheckpointError, match="final_norm.*shape \\(3,\\)"):
+    checkpoint.save(target, bad, cfg)
+  assert os.listdir(tmp_path) == []  # nothing half-written left behind
+  checkpoint.save(target, params, cfg)
+  checkpoint.save(target, params, cfg, overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_bad_budget_and_counts(ckpt):
+  with pytest.raises(CheckpointError, match="unknown budget 'tiny'.*\\['full', 'small'\\]"):
+    checkpoint.restore(ckpt, "tiny")
+  with pytest.raises(ValueError, match="axis 'moe_ffn': count 9 is not one of"):
+    checkpoint.restore(ckpt, {"moe_ffn": 9})
+
+
+def test_corrupt_and_mismatched(cfg, params, ckpt, tmp_path):
+  with pytest.raises(CheckpointError, match="config mismatch in fields \\['hidden_choices'\\]"):
+    checkpoint.restore(ckpt, expected_config=cfg.replace(hidden_choices=(32, 16)))
+  with pytest.raises(CheckpointError, match="no checkpoint directory"):
+    checkpoint.restore(str(tmp_path / "nope"))
+  target = str(tmp_path / "c")
+  checkpoint.save(target, params, cfg)
+  meta_path = os.path.join(target, "metadata.json")
+  meta = json.load(open(meta_path))
+  wrong = dict(meta, leaf_shapes={k: v for k, v in meta["leaf_shapes"].items() if "lm_head" not in k})
+  json.dump(wrong, open(meta_path, "w"))
+  with pytest.raises(CheckpointError, match="lacks leaf \\['lm_head'\\]"):
+    checkpoint.restore(target)
+  json.dump(dict(meta, config={**meta["config"], "hidden_size": 48, "hidden_choices": [48]}),
+            open(meta_path, "w"))
+  with pytest.raises(CheckpointError, match="stored with shape"):
+    checkpoint.restore(target)
+  open(meta_path, "w").write("{not json")
+  with pytest.raises(CheckpointError, match="corrupt JSON"):
+    checkpoint.restore(target)
+  os.remove(meta_path)
+  with pytest.raises(CheckpointError, match="missing metadata.json"):
+    checkpoint.restore(target)
