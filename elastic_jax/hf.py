@@ -107,6 +107,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
 
 def config_to_hf(c: ModelConfig) -> dict:
   """A Nemotron-H config.json dict for `c` (elastic choices are not part of the HF format)."""
+  if not c.is_homogeneous:
+    raise HFFormatError("Nemotron-H has one size per axis for all layers; this model has "
+                        "per-layer sizes (export a homogeneous budget, or use the orbax format)")
   return {
       "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
       "hybrid_override_pattern": c.layer_pattern, "hidden_size": c.hidden_size,
@@ -301,11 +304,13 @@ def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
   return config, params_from_hf(st.load_folder(folder), config)
 
 
-def save_pretrained(folder: str, params, c: ModelConfig) -> None:
+def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False) -> None:
   """Writes config.json + model.safetensors (hub layout) that transformers can load."""
+  cfg = config_to_hf(c)
+  if os.path.exists(os.path.join(folder, "config.json")) and not overwrite:
+    raise HFFormatError(f"{folder} already holds a model; pass overwrite=True to replace it")
   os.makedirs(folder, exist_ok=True)
   tensors = params_to_hf(params, c)
-  cfg = config_to_hf(c)
   dtype = np.dtype(c.param_dtype) if c.param_dtype != "bfloat16" else None
   if dtype is None:
     import ml_dtypes

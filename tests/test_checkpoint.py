@@ -86,3 +86,17 @@ def test_corrupt_and_mismatched(cfg, params, ckpt, tmp_path):
   os.remove(meta_path)
   with pytest.raises(CheckpointError, match="missing metadata.json"):
     checkpoint.restore(target)
+
+
+def test_slice_cli_subprocess(ckpt, tmp_path):
+  import subprocess
+  import sys
+  out = str(tmp_path / "small")
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={ckpt}",
+                      "--budget=small", f"--out={out}"], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "restored budget small" in r.stdout and "wrote orbax sub-model" in r.stdout
+  assert checkpoint.load_config(out).hidden_size == 16
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={ckpt}",
+                      "--budget=huge", f"--out={out}2"], capture_output=True, text=True, timeout=300)
+  assert r.returncode != 0 and "unknown budget 'huge'" in r.stderr

@@ -120,3 +120,28 @@ def test_bad_checkpoints(cfg, hf_folder, tmp_path):
   bad.write_bytes(b"\x01")
   with pytest.raises(ValueError, match="truncated"):
     st.load_file(str(bad))
+
+
+def test_sliced_export_via_cli(cfg, params, tokens, tmp_path):
+  """Nested checkpoint -> `python -m elastic_jax.slice` (hf and orbax) -> same logits."""
+  from elastic_jax import checkpoint, from_counts
+  from elastic_jax.slice import parse_budget, run
+
+  c = cfg.replace(**_overrides(cfg))
+  ck = str(tmp_path / "nested")
+  checkpoint.save(ck, params, c, budget_counts={"small": {"hidden": 24, "mamba_heads": 4,
+                                                         "moe_experts": 6, "moe_ffn": 12}})
+  masked = apply(params, tokens, from_counts(c, parse_budget("hidden=24,mamba_heads=4,"
+                                                             "moe_experts=6,moe_ffn=12")), config=c)
+  run(ck, "small", str(tmp_path / "hf"), "hf")
+  model = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+  with torch.no_grad():
+    ref = model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  np.testing.assert_allclose(ref, masked, rtol=1e-4, atol=1e-4)
+  run(ck, parse_budget("moe_experts=4:8"), str(tmp_path / "orbax"), "orbax")
+  sub, sub_cfg = checkpoint.restore(str(tmp_path / "orbax"))
+  assert sub_cfg.experts_per_layer == (4, 8)
+  with pytest.raises(ValueError, match="per-layer sizes"):
+    run(ck, parse_budget("moe_experts=4:8"), str(tmp_path / "hf2"), "hf")
+  with pytest.raises(ValueError, match="bad count"):
+    parse_budget("hidden=big")
