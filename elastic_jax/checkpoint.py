@@ -183,7 +183,7 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
                                      strict=False), abstract)
   try:
     state = ckptr.restore(state_dir, item={"params": abstract}, restore_args={"params": args},
-                          transforms={})
+                          partial_restore=True)  # the router, if any, is restored separately
   except Exception as e:
     raise CheckpointError(f"{path}: restore failed ({type(e).__name__}: {e})") from None
   params = state["params"]
@@ -204,6 +204,3 @@ def bytes_read() -> int:
   metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
   return int(sum(v["value"] for m in metrics for v in m.get("values", [])))
 
-
-def as_numpy(tree):
-  return jax.tree_util.tree_map(np.asarray, tree)
