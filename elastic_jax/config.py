@@ -112,6 +112,11 @@ class ModelConfig:
   def budget_names(self) -> tuple[str, ...]:
     return tuple(n for n, _ in self.budgets)
 
+  def budget_name_check(self, name: str) -> str:
+    if name not in self.budget_names:
+      raise ValueError(f"unknown budget {name!r}; allowed: {list(self.budget_names)}")
+    return name
+
   def budget_fraction(self, name: str) -> float:
     for n, f in self.budgets:
       if n == name:

@@ -1,0 +1,199 @@
+"""Budget router: per-axis MLPs from a budget one-hot to a distribution over that axis' choices.
+
+Per METHOD.md section 4: Linear(n_budgets -> hidden, no bias) -> LeakyReLU(0.1) ->
+Linear(-> n_choices, or n_layers x n_choices for per-layer axes); init normal(0.1);
+token-independent. Logits are scaled by a factor rising 1 -> 10 over training and sampled with
+Gumbel-softmax at temperature tau = decay^step (floored at 0.05); occasionally a hard
+straight-through sample. Masks: soft staircase sum_i pi_i prefix(k_i), or the argmax prefix
+(scaled by its probability in training, exactly 1 at inference). Budget loss uses the exact
+differentiable counter on expected sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.axes import AXES
+from elastic_jax.config import ModelConfig
+from elastic_jax.masks import BudgetMasks, axis_mask_shape
+from elastic_jax.params_count import count_params
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  hidden: int = 256
+  per_layer: tuple[str, ...] = ()     # axes routed per layer (others: one choice for all layers)
+  init_std: float = 0.1
+  scale_start: float = 1.0
+  scale_end: float = 10.0
+  tau_start: float = 1.0
+  tau_min: float = 0.05
+  tau_decay: float = 0.999
+  band: float = 0.05
+  anchor_weight: float = 10.0
+
+  def __post_init__(self):
+    bad = sorted(set(self.per_layer) - {n for n, a in AXES.items() if a.layer_kind})
+    if bad:
+      raise ValueError(f"RouterConfig.per_layer: {bad} cannot be per-layer; allowed: "
+                       f"{[n for n, a in AXES.items() if a.layer_kind]}")
+
+
+def _rows(config: ModelConfig, rc: RouterConfig, name: str) -> int:
+  return AXES[name].num_layers(config) if name in rc.per_layer else 1
+
+
+def init(config: ModelConfig, rc: RouterConfig, key) -> dict:
+  """Router params {axis: {"w1": [n_budgets, hidden], "w2": [hidden, rows*choices], "b2"}}."""
+  nb = len(config.budgets)
+  out = {}
+  for name, key in zip(AXES, jax.random.split(key, len(AXES))):
+    n_out = _rows(config, rc, name) * len(AXES[name].choices(config))
+    k1, k2 = jax.random.split(key)
+    out[name] = {"w1": rc.init_std * jax.random.normal(k1, (nb, rc.hidden)),
+                 "w2": rc.init_std * jax.random.normal(k2, (rc.hidden, n_out)),
+                 "b2": jnp.zeros((n_out,))}
+  return out
+
+
+def budget_onehot(config: ModelConfig, budget) -> jax.Array:
+  """One-hot of a budget name, or an off-grid fraction interpolated between its neighbours."""
+  names, fracs = config.budget_names, [f for _, f in config.budgets]
+  if isinstance(budget, str):
+    return jax.nn.one_hot(names.index(config.budget_name_check(budget)), len(names))
+  b = float(budget)
+  if not fracs[-1] <= b <= fracs[0]:
+    raise ValueError(f"budget fraction {b} outside [{fracs[-1]}, {fracs[0]}] of budgets {names}")
+  v = jnp.zeros(len(names))
+  for i in range(len(fracs) - 1):
+    hi, lo = fracs[i], fracs[i + 1]
+    if lo <= b <= hi:
+      w = (b - lo) / (hi - lo)
+      return v.at[i].set(w).at[i + 1].set(1.0 - w)
+  return v.at[0].set(1.0)
+
+
+def logits(router_params: dict, onehot, config: ModelConfig, rc: RouterConfig) -> dict:
+  """{axis: [rows, n_choices]} unscaled router logits."""
+  out = {}
+  for name, p in router_params.items():
+    h = jax.nn.leaky_relu(onehot @ p["w1"], 0.1)
+    out[name] = (h @ p["w2"] + p["b2"]).reshape(_rows(config, rc, name), -1)
+  return out
+
+
+def logit_scale(step, total_steps, rc: RouterConfig):
+  frac = jnp.clip(step / jnp.maximum(total_steps, 1), 0.0, 1.0)
+  return rc.scale_start + (rc.scale_end - rc.scale_start) * frac
+
+
+def temperature(step, rc: RouterConfig):
+  return jnp.maximum(rc.tau_start * rc.tau_decay ** step, rc.tau_min)
+
+
+def gumbel_softmax(logits_, tau, key, hard: bool = False):
+  """Gumbel-softmax over the last dim; `hard` gives a straight-through one-hot."""
+  g = -jnp.log(-jnp.log(jax.random.uniform(key, logits_.shape, minval=1e-10, maxval=1.0)))
+  soft = jax.nn.softmax((logits_ + g) / tau, axis=-1)
+  if not hard:
+    return soft
+  one = jax.nn.one_hot(jnp.argmax(soft, -1), soft.shape[-1])
+  return one + soft - jax.lax.stop_gradient(soft)
+
+
+def _prefixes(config: ModelConfig, name: str):
+  """[n_choices, size] 0/1 prefix masks of the axis' choices (sizes of the mask's last dim)."""
+  axis = AXES[name]
+  size = axis_mask_shape(config, name)[-1]
+  ks = jnp.asarray([axis.dim_size(c, config) for c in axis.choices(config)])
+  return (jnp.arange(size)[None, :] < ks[:, None]).astype(jnp.float32)
+
+
+def masks_from_probs(probs: Mapping[str, Any], config: ModelConfig, mode: str = "soft") -> BudgetMasks:
+  """BudgetMasks from per-axis choice probabilities [rows, n_choices].
+
+  mode "soft": staircase sum_i pi_i prefix(k_i); "hard": argmax prefix times its probability
+  (training); "inference": argmax prefix, exactly 0/1.
+  """
+  if mode not in ("soft", "hard", "inference"):
+    raise ValueError(f"mode must be 'soft', 'hard' or 'inference', got {mode!r}")
+  fields = {}
+  for name, pi in probs.items():
+    pre = _prefixes(config, name)
+    if mode == "soft":
+      m = pi @ pre
+    else:
+      idx = jnp.argmax(pi, -1)
+      m = pre[idx]
+      if mode == "hard":
+        m = m * jnp.take_along_axis(pi, idx[:, None], -1)
+    shape = axis_mask_shape(config, name)
+    if AXES[name].layer_kind is None:
+      m = m[0]
+    else:
+      m = jnp.broadcast_to(m, (shape[0], shape[-1]))
+    if name == "mamba_heads":
+      m = jnp.broadcast_to(m[:, None, :], shape)
+    fields[name] = m
+  return BudgetMasks(**fields)
+
+
+def expected_counts(probs: Mapping[str, Any], config: ModelConfig) -> dict:
+  """Per-axis expected counts sum_i pi_i k_i (one per layer for per-layer axes)."""
+  out = {}
+  for name, pi in probs.items():
+    axis = AXES[name]
+    e = pi @ jnp.asarray(axis.choices(config), jnp.float32)
+    if axis.layer_kind is None:
+      out[name] = e[0]
+    else:
+      e = jnp.broadcast_to(e, (axis.num_layers(config),))
+      out[name] = tuple(e[i] for i in range(axis.num_layers(config)))
+  return out
+
+
+def argmax_counts(probs: Mapping[str, Any], config: ModelConfig) -> dict:
+  """The router's chosen integer counts (homogeneous int or per-layer tuple)."""
+  out = {}
+  for name, pi in probs.items():
+    ch = AXES[name].choices(config)
+    idx = [int(i) for i in jnp.argmax(pi, -1)]
+    vals = tuple(ch[i] for i in idx)
+    out[name] = vals if len(vals) > 1 else vals[0]
+  return out
+
+
+def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
+                rc: RouterConfig):
+  """|P_active(expected) / (b P_active_full) - 1|, zero inside the band; for b = 1 add
+  anchor_weight * MSE(pi, one-hot of the largest choice)."""
+  full = count_params(config).active
+  active = count_params(config, expected_counts(probs, config), validate=False).active
+  rel = jnp.abs(active / (fraction * full) - 1.0)
+  loss = jnp.where(rel > rc.band, rel, 0.0)
+  if fraction >= 1.0:
+    for pi in probs.values():
+      target = jax.nn.one_hot(jnp.zeros(pi.shape[0], jnp.int32), pi.shape[-1])
+      loss = loss + rc.anchor_weight * jnp.mean(jnp.square(pi - target))
+  return loss
+
+
+def make_optimizer(total_steps: int, model_lr: float = 1e-4, router_lr: float = 1e-2,
+                   weight_decay: float = 0.0, clip: float = 1.0, warmup_steps: int = 0):
+  """AdamW with cosine decay and global-norm clipping, router params in their own group.
+
+  Applies to a state tree {"model": params, "router": router_params}.
+  """
+  import optax
+
+  def group(lr):
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup_steps, 1), max(total_steps, 2))
+    return optax.adamw(sched, weight_decay=weight_decay)
+
+  labels = lambda tree: {k: jax.tree_util.tree_map(lambda _: k, v) for k, v in tree.items()}
+  return optax.chain(optax.clip_by_global_norm(clip),
+                     optax.multi_transform({"model": group(model_lr), "router": group(router_lr)},
+                                           labels))

@@ -1,0 +1,134 @@
+"""Budget router: shapes, schedules, Gumbel sampling, masks, expected counts and budget loss."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_jax import apply, count_params, from_counts
+from elastic_jax import router as R
+
+RC = R.RouterConfig(hidden=16, per_layer=("moe_experts",))
+
+
+def _probs(cfg, rp, budget, key=None, tau=1.0):
+  lg = R.logits(rp, R.budget_onehot(cfg, budget), cfg, RC)
+  if key is None:
+    return {n: jax.nn.softmax(l / tau, -1) for n, l in lg.items()}
+  return {n: R.gumbel_softmax(l, tau, k) for (n, l), k in zip(lg.items(), jax.random.split(key, 4))}
+
+
+def test_shapes(cfg):
+  rp = R.init(cfg, RC, jax.random.PRNGKey(0))
+  assert rp["hidden"]["w1"].shape == (2, 16) and rp["hidden"]["w2"].shape == (16, 3)
+  assert rp["moe_experts"]["w2"].shape == (16, 2 * 3)  # 2 MoE layers x 3 choices
+  lg = R.logits(rp, R.budget_onehot(cfg, "small"), cfg, RC)
+  assert lg["hidden"].shape == (1, 3) and lg["moe_experts"].shape == (2, 3)
+  assert lg["mamba_heads"].shape == (1, 4)
+  with pytest.raises(ValueError, match="cannot be per-layer"):
+    R.RouterConfig(per_layer=("hidden",))
+
+
+def test_onehot_and_interpolation(cfg):
+  np.testing.assert_array_equal(R.budget_onehot(cfg, "small"), [0, 1])
+  np.testing.assert_allclose(R.budget_onehot(cfg, 0.75), [0.5, 0.5])
+  np.testing.assert_allclose(R.budget_onehot(cfg, 1.0), [1, 0])
+  with pytest.raises(ValueError, match="unknown budget 'tiny'"):
+    R.budget_onehot(cfg, "tiny")
+  with pytest.raises(ValueError, match="outside"):
+    R.budget_onehot(cfg, 0.2)
+
+
+def test_schedules():
+  assert float(R.logit_scale(0, 100, RC)) == 1.0 and float(R.logit_scale(100, 100, RC)) == 10.0
+  assert float(R.logit_scale(50, 100, RC)) == pytest.approx(5.5)
+  assert float(R.temperature(0, RC)) == 1.0
+  assert float(R.temperature(10 ** 6, RC)) == pytest.approx(0.05)
+  assert float(R.temperature(100, RC)) == pytest.approx(0.999 ** 100, rel=1e-5)
+
+
+def test_gumbel_hard_is_one_hot_with_gradient():
+  lg = jnp.array([[0.1, 2.0, -1.0]])
+  hard = R.gumbel_softmax(lg, 0.5, jax.random.PRNGKey(0), hard=True)
+  np.testing.assert_allclose(jnp.sort(hard[0]), [0, 0, 1], atol=1e-6)
+  g = jax.grad(lambda l: jnp.sum(R.gumbel_softmax(l, 0.5, jax.random.PRNGKey(0), hard=True)
+                                 * jnp.arange(3.0)))(lg)
+  assert np.any(np.asarray(g) != 0)
+  soft = R.gumbel_softmax(lg, 1.0, jax.random.PRNGKey(1))
+  np.testing.assert_allclose(soft.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_masks(cfg, params, tokens):
+  pi = {"hidden": jnp.array([[0.2, 0.5, 0.3]]), "mamba_heads": jnp.array([[0.0, 0.0, 1.0, 0.0]]),
+        "moe_experts": jnp.array([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+        "moe_ffn": jnp.array([[0.0, 0.0, 1.0]])}
+  soft = R.masks_from_probs(pi, cfg, "soft")
+  np.testing.assert_allclose(soft.hidden[:16], 1.0)
+  np.testing.assert_allclose(soft.hidden[16:24], 0.7)
+  np.testing.assert_allclose(soft.hidden[24:], 0.2)
+  hard = R.masks_from_probs(pi, cfg, "hard")
+  np.testing.assert_allclose(hard.hidden, 0.5 * (jnp.arange(32) < 24))
+  counts = R.argmax_counts(pi, cfg)
+  assert counts == {"hidden": 24, "mamba_heads": 4, "moe_experts": (6, 8), "moe_ffn": 8}
+  inf = R.masks_from_probs(pi, cfg, "inference")
+  ref = from_counts(cfg, counts)
+  for a, b in zip(jax.tree_util.tree_leaves(inf), jax.tree_util.tree_leaves(ref)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="mode must be"):
+    R.masks_from_probs(pi, cfg, "fuzzy")
+
+
+def test_expected_counts_drive_exact_counter(cfg):
+  pi = {"hidden": jnp.array([[0.5, 0.5, 0.0]]), "mamba_heads": jnp.array([[1.0, 0, 0, 0]]),
+        "moe_experts": jnp.array([[1.0, 0, 0], [0, 0, 1.0]]), "moe_ffn": jnp.array([[1.0, 0, 0]])}
+  e = R.expected_counts(pi, cfg)
+  assert float(e["hidden"]) == 28.0 and [float(x) for x in e["moe_experts"]] == [8.0, 4.0]
+  one_hot = {**pi, "hidden": jnp.array([[0.0, 1.0, 0.0]])}
+  exact = count_params(cfg, R.argmax_counts(one_hot, cfg)).active
+  assert float(count_params(cfg, R.expected_counts(one_hot, cfg), validate=False).active) == exact
+
+
+def test_budget_loss_band_and_gradient_sign(cfg):
+  full = {n: jax.nn.one_hot(jnp.zeros(r, jnp.int32), c) for n, r, c in
+          (("hidden", 1, 3), ("mamba_heads", 1, 4), ("moe_experts", 2, 3), ("moe_ffn", 1, 3))}
+  # The full model at the full budget: zero loss (inside band, anchored).
+  assert float(R.budget_loss(full, cfg, 1.0, RC)) == 0.0
+  # The full model at a 0.5 budget: far outside the band, and the gradient on the logits pushes
+  # probability toward smaller choices.
+  frac = 0.5
+  logits0 = {n: 3.0 * p for n, p in full.items()}
+  loss_fn = lambda lg: R.budget_loss({n: jax.nn.softmax(l, -1) for n, l in lg.items()}, cfg, frac, RC)
+  assert float(loss_fn(logits0)) > 0.3
+  g = jax.grad(loss_fn)(logits0)
+  assert float(g["hidden"][0, 0]) > 0 and float(g["hidden"][0, -1]) < 0
+  # A distribution whose expected size is within 5% of the target gives zero loss.
+  target = frac * count_params(cfg).active
+  small = {n: jax.nn.one_hot(jnp.full(r, c - 1), c) for n, r, c in
+           (("hidden", 1, 3), ("mamba_heads", 1, 4), ("moe_experts", 2, 3), ("moe_ffn", 1, 3))}
+  ratio = count_params(cfg, R.argmax_counts(small, cfg)).active / target
+  expected = 0.0 if abs(ratio - 1) <= 0.05 else abs(ratio - 1)
+  assert float(R.budget_loss(small, cfg, frac, RC)) == pytest.approx(expected, rel=1e-5)
+  # Anchor: at the full budget, a non-full distribution is penalised even if sizes were met.
+  assert float(R.budget_loss(small, cfg, 1.0, RC)) > 1.0
+
+
+def test_router_masks_run_one_compiled_forward(cfg, params, tokens):
+  rp = R.init(cfg, RC, jax.random.PRNGKey(0))
+  fwd = jax.jit(lambda p, t, m: apply(p, t, m, config=cfg))
+  for b in ("full", "small"):
+    m = R.masks_from_probs(_probs(cfg, rp, b, jax.random.PRNGKey(1)), cfg, "soft")
+    assert np.all(np.isfinite(fwd(params, tokens, m)))
+  assert fwd._cache_size() == 1
+
+
+def test_optimizer_param_groups(cfg, params):
+  rp = R.init(cfg, RC, jax.random.PRNGKey(0))
+  tree = {"model": {"w": jnp.ones(3)}, "router": {"w": jnp.ones(3)}}
+  opt = R.make_optimizer(100, model_lr=1e-4, router_lr=1e-2, warmup_steps=0)
+  state = opt.init(tree)
+  grads = jax.tree_util.tree_map(jnp.ones_like, tree)
+  for _ in range(3):
+    updates, state = opt.update(grads, state, tree)
+  # Adam's first steps move each group by about its learning rate: router 100x the model's.
+  ratio = float(jnp.abs(updates["router"]["w"][0]) / jnp.abs(updates["model"]["w"][0]))
+  assert ratio == pytest.approx(100.0, rel=1e-3)
+  assert R.make_optimizer(10).init({"model": params, "router": rp}) is not None
