@@ -12,6 +12,7 @@ size of the leaf dimension (Mamba heads are stored as ``[groups, heads_per_group
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping, Sequence
 
 from elastic_jax.config import PER_LAYER_FIELDS, ModelConfig
@@ -44,9 +45,11 @@ class Axis:
 
   def dim_size(self, count, config: ModelConfig):
     """Size of the touched leaf dim for `count` (works on ints and traced floats)."""
-    if self.name == "mamba_heads":
-      return count / config.mamba_n_groups if not isinstance(count, int) else count // config.mamba_n_groups
-    return count
+    if self.name != "mamba_heads":
+      return count
+    if isinstance(count, numbers.Integral):
+      return int(count) // config.mamba_n_groups
+    return count / config.mamba_n_groups
 
   def num_layers(self, config: ModelConfig) -> int:
     return 1 if self.layer_kind is None else len(config.layers_of(self.layer_kind))
