@@ -54,3 +54,27 @@ def count_params(config: ModelConfig, counts: Mapping[str, Any] | None = None,
 def count_leaves(params) -> int:
   """Number of scalars in a params pytree (arrays or ShapeDtypeStructs)."""
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+
+
+# Bytes per stored weight element (NVFP4: 4-bit values + one E4M3 scale per 16 = 4.5 bits).
+BYTES_PER_ELEMENT = {"float32": 4.0, "bfloat16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}
+
+
+def count_memory(config: ModelConfig, counts: Mapping[str, Any] | None = None, *,
+                 weight_format: str = "bfloat16", batch: int = 1, seq_len: int = 0,
+                 kv_bytes: float = 2.0, conv_bytes: float = 2.0, validate: bool = True):
+  """Inference memory in bytes: all stored weights at `weight_format`, plus the attention KV
+  cache for `batch` x `seq_len` tokens and the Mamba conv / fp32 SSM states (differentiable in
+  traced counts like `count_params`)."""
+  if weight_format not in BYTES_PER_ELEMENT:
+    raise ValueError(f"weight_format {weight_format!r} not in {sorted(BYTES_PER_ELEMENT)}")
+  norm = normalize_counts(config, counts, validate)
+  weights = count_params(config, counts, validate).total * BYTES_PER_ELEMENT[weight_format]
+  c = config
+  kv = len(c.layers_of("*")) * 2 * batch * seq_len * c.num_kv_heads * c.head_dim * kv_bytes
+  gn = 2 * c.mamba_n_groups * c.ssm_state_size
+  ssm = 0
+  for heads in norm["mamba_heads"]:
+    hp = heads * c.mamba_head_dim
+    ssm = ssm + batch * (hp * c.ssm_state_size * 4.0 + (hp + gn) * (c.conv_kernel - 1) * conv_bytes)
+  return weights + kv + ssm

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from elastic_jax.axes import AXES
 from elastic_jax.config import ModelConfig
 from elastic_jax.masks import BudgetMasks, axis_mask_shape
-from elastic_jax.params_count import count_params
+from elastic_jax.params_count import count_memory, count_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +167,21 @@ def argmax_counts(probs: Mapping[str, Any], config: ModelConfig) -> dict:
 
 
 def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
-                rc: RouterConfig):
-  """|P_active(expected) / (b P_active_full) - 1|, zero inside the band; for b = 1 add
-  anchor_weight * MSE(pi, one-hot of the largest choice)."""
-  full = count_params(config).active
-  active = count_params(config, expected_counts(probs, config), validate=False).active
+                rc: RouterConfig, measure: str = "active", **memory_kwargs):
+  """|P(expected) / (b P_full) - 1|, zero inside the band; for b = 1 add
+  anchor_weight * MSE(pi, one-hot of the largest choice).
+
+  `measure` "active" counts active parameters; "memory" counts inference bytes
+  (`params_count.count_memory`, given `memory_kwargs` such as weight_format, batch, seq_len).
+  """
+  if measure == "active":
+    size = lambda counts, v: count_params(config, counts, validate=v).active
+  elif measure == "memory":
+    size = lambda counts, v: count_memory(config, counts, validate=v, **memory_kwargs)
+  else:
+    raise ValueError(f"measure must be 'active' or 'memory', got {measure!r}")
+  full = size(None, True)
+  active = size(expected_counts(probs, config), False)
   rel = jnp.abs(active / (fraction * full) - 1.0)
   loss = jnp.where(rel > rc.band, rel, 0.0)
   if fraction >= 1.0:

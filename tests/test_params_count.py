@@ -63,3 +63,20 @@ def test_differentiable_in_expected_sizes(cfg):
   eps = 1.0
   fd = (active(24.0 + eps) - active(24.0 - eps)) / (2 * eps)
   assert float(g) == pytest.approx(float(fd), rel=1e-4)
+
+
+def test_memory_counter(cfg):
+  from elastic_jax.params_count import count_memory
+  w = count_params(cfg).total
+  assert count_memory(cfg, weight_format="nvfp4", seq_len=0, batch=0) == w * 0.5625
+  # One attention layer, 2 KV heads x 8; two Mamba layers of 8 heads x 4, state 8, 2 groups.
+  kv = 2 * 3 * 10 * 2 * 8 * 2.0
+  ssm = 2 * 3 * (32 * 8 * 4.0 + (32 + 32) * 3 * 2.0)
+  assert count_memory(cfg, batch=3, seq_len=10) == pytest.approx(w * 2 + kv + ssm)
+  smaller = count_memory(cfg, {"mamba_heads": 4}, batch=3, seq_len=10)
+  assert smaller < count_memory(cfg, batch=3, seq_len=10)
+  g = jax.grad(lambda h: count_memory(cfg, {"mamba_heads": h}, batch=3, seq_len=10,
+                                      validate=False))(jnp.float32(6.0))
+  assert g > 0
+  with pytest.raises(ValueError, match="weight_format"):
+    count_memory(cfg, weight_format="int3")

@@ -132,3 +132,13 @@ def test_optimizer_param_groups(cfg, params):
   ratio = float(jnp.abs(updates["router"]["w"][0]) / jnp.abs(updates["model"]["w"][0]))
   assert ratio == pytest.approx(100.0, rel=1e-3)
   assert R.make_optimizer(10).init({"model": params, "router": rp}) is not None
+
+
+def test_memory_budget_loss(cfg):
+  full = {n: jax.nn.one_hot(jnp.zeros(r, jnp.int32), c) for n, r, c in
+          (("hidden", 1, 3), ("mamba_heads", 1, 4), ("moe_experts", 2, 3), ("moe_ffn", 1, 3))}
+  kw = dict(weight_format="fp8", batch=4, seq_len=64)
+  assert float(R.budget_loss(full, cfg, 1.0, RC, measure="memory", **kw)) == 0.0
+  assert float(R.budget_loss(full, cfg, 0.5, RC, measure="memory", **kw)) == pytest.approx(1.0)
+  with pytest.raises(ValueError, match="measure must be"):
+    R.budget_loss(full, cfg, 0.5, RC, measure="flops")
