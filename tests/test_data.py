@@ -1,0 +1,88 @@
+"""Embedded corpus, local files, tokenizer, packing, sharding and exact iterator resume."""
+import json
+
+import numpy as np
+import pytest
+
+from elastic_jax import data
+
+
+@pytest.fixture(scope="module")
+def docs():
+  return data.default_corpus(n_text=300, n_reasoning=60, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(docs):
+  return data.train_tokenizer(docs, 512)
+
+
+def test_default_corpus(docs):
+  assert len(docs) == 360
+  traces = [d for d in docs if data.THINK in d]
+  assert len(traces) == 60 and all(data.END_THINK in d for d in traces)
+  assert any("God" in d for d in docs)
+  ex = data.reasoning_examples(2, seed=3, sources=("gsm_symbolic",))[0]
+  assert ex["think"] and ex["answer"] and data.format_example(ex, with_answer=False).endswith(
+      data.END_THINK)
+  with pytest.raises(ValueError, match="unknown reasoning sources"):
+    data.reasoning_examples(2, sources=("chess",))
+
+
+def test_tokenizer(tok, tmp_path):
+  assert [tok.token_to_id(t) for t in data.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+  enc = tok.encode("12+34 <think> go </think>7")
+  assert enc.tokens[:5] == ["1", "2", "+", "3", "4"] and "<think>" in enc.tokens
+  assert tok.decode(enc.ids, skip_special_tokens=False).replace(" ", "") == "12+34<think>go</think>7"
+  path = str(tmp_path / "tok.json")
+  tok.save(path)
+  assert data.load_tokenizer(path).encode("abc").ids == tok.encode("abc").ids
+  with pytest.raises(ValueError, match="does not exist"):
+    data.load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_pack():
+  rows = data.pack([[5, 6], [7, 8, 9]], seq_len=3)
+  np.testing.assert_array_equal(rows, [[1, 5, 6, 2], [1, 7, 8, 9]])
+  with pytest.raises(ValueError, match="shorter than one row"):
+    data.pack([[5]], seq_len=10)
+
+
+def test_sharding_and_exact_resume():
+  rows = np.arange(40 * 5, dtype=np.int32).reshape(40, 5)
+  shards = [np.concatenate(list(_take(iter(data.make_dataset(rows, 4, shard_index=i,
+                                                            shard_count=2, num_epochs=1)), 5)))
+            for i in range(2)]
+  firsts = [set(s[:, 0]) for s in shards]
+  assert not firsts[0] & firsts[1] and len(firsts[0] | firsts[1]) == 40
+  ds = data.make_dataset(rows, 4, seed=7, shard_index=0, shard_count=1)
+  it = iter(ds)
+  _ = list(_take(it, 13))  # past an epoch boundary
+  state = json.loads(json.dumps(it.get_state()))  # JSON-able, saved with the model
+  expected = list(_take(it, 5))
+  resumed = iter(ds)
+  resumed.set_state(state)
+  for a, b in zip(expected, _take(resumed, 5)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="fewer than batch_size"):
+    data.make_dataset(rows[:3], 4, shard_index=0, shard_count=1)
+
+
+def test_local_files(tmp_path):
+  (tmp_path / "a.txt").write_text("first doc\n\nsecond doc\n")
+  (tmp_path / "b.jsonl").write_text(json.dumps({"text": "third"}) + "\n")
+  assert data.local_corpus([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]) == [
+      "first doc", "second doc", "third"]
+  (tmp_path / "c.jsonl").write_text('{"body": 1}\n')
+  with pytest.raises(ValueError, match="c.jsonl:1: expected a JSON object with a 'text'"):
+    data.local_corpus([str(tmp_path / "c.jsonl")])
+  with pytest.raises(ValueError, match="expected .txt or .jsonl"):
+    (tmp_path / "d.csv").write_text("x")
+    data.local_corpus([str(tmp_path / "d.csv")])
+  with pytest.raises(ValueError, match="does not exist"):
+    data.local_corpus([str(tmp_path / "nope.txt")])
+
+
+def _take(it, n):
+  for _ in range(n):
+    yield next(it)
