@@ -1,0 +1,44 @@
+"""Elastic knowledge distillation losses (METHOD.md section 5).
+
+Loss = forward KL(teacher || student) on logits at T = 1 (no student cross-entropy) plus
+lambda x the router's budget loss. One budget per micro-batch; masks come from the router.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax import router as router_lib
+from elastic_jax.config import ModelConfig
+from elastic_jax.model.model import apply
+
+
+def forward_kl(teacher_logits, student_logits, weights=None):
+  """Mean over tokens of KL(p_teacher || p_student), fp32; `weights` [B,T] masks tokens."""
+  t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), -1)
+  s = jax.nn.log_softmax(student_logits.astype(jnp.float32), -1)
+  kl = jnp.sum(jnp.exp(t) * (t - s), -1)
+  if weights is None:
+    return jnp.mean(kl)
+  return jnp.sum(kl * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction, step,
+                 total_steps, key, *, config: ModelConfig, rc: router_lib.RouterConfig,
+                 budget_weight: float = 1.0, hard_prob: float = 0.004, moe_impl: str = "dense"):
+  """(loss, metrics) for one micro-batch at one budget. `fraction` is the budget's target."""
+  scale = router_lib.logit_scale(step, total_steps, rc)
+  tau = router_lib.temperature(step, rc)
+  logits = router_lib.logits(router_params, onehot, config, rc)
+  k_hard, k_sample = jax.random.split(key)
+  hard = jax.random.bernoulli(k_hard, hard_prob)
+  probs = {}
+  for (name, lg), k in zip(logits.items(), jax.random.split(k_sample, len(logits))):
+    soft = router_lib.gumbel_softmax(lg * scale, tau, k)
+    st = router_lib.gumbel_softmax(lg * scale, tau, k, hard=True)
+    probs[name] = jnp.where(hard, st, soft)
+  masks = router_lib.masks_from_probs(probs, config, "soft")
+  student = apply(params, tokens, masks, config=config, moe_impl=moe_impl)
+  kd = forward_kl(teacher_logits, student)
+  bl = router_lib.budget_loss(probs, config, fraction, rc)
+  return kd + budget_weight * bl, {"kd": kd, "budget_loss": bl, "tau": tau, "scale": scale}
