@@ -184,11 +184,12 @@ def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
   active = size(expected_counts(probs, config), False)
   rel = jnp.abs(active / (fraction * full) - 1.0)
   loss = jnp.where(rel > rc.band, rel, 0.0)
-  if fraction >= 1.0:
-    for pi in probs.values():
-      target = jax.nn.one_hot(jnp.zeros(pi.shape[0], jnp.int32), pi.shape[-1])
-      loss = loss + rc.anchor_weight * jnp.mean(jnp.square(pi - target))
-  return loss
+  anchor = 0.0
+  for pi in probs.values():
+    target = jax.nn.one_hot(jnp.zeros(pi.shape[0], jnp.int32), pi.shape[-1])
+    anchor = anchor + jnp.mean(jnp.square(pi - target))
+  # `fraction` may be traced (one compiled step serves every budget).
+  return loss + jnp.where(jnp.asarray(fraction) >= 1.0, rc.anchor_weight * anchor, 0.0)
 
 
 def make_optimizer(total_steps: int, model_lr: float = 1e-4, router_lr: float = 1e-2,
