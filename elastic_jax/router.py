@@ -201,7 +201,8 @@ def make_optimizer(total_steps: int, model_lr: float = 1e-4, router_lr: float = 
   import optax
 
   def group(lr):
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup_steps, 1), max(total_steps, 2))
+    warm = max(warmup_steps, 1)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(total_steps, warm + 1))
     return optax.adamw(sched, weight_decay=weight_decay)
 
   labels = lambda tree: {k: jax.tree_util.tree_map(lambda _: k, v) for k, v in tree.items()}
