@@ -15,7 +15,7 @@ import dataclasses
 import numbers
 from typing import Any, Mapping, Sequence
 
-from elastic_jax.config import PER_LAYER_FIELDS, ModelConfig
+from elastic_jax.config import CHOICE_FIELDS, PER_LAYER_FIELDS, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +28,13 @@ class Use:
 @dataclasses.dataclass(frozen=True)
 class Axis:
   name: str
-  choices_field: str   # ModelConfig field listing the allowed counts
   layer_kind: str | None  # None: one count for the whole model; else per layer of this kind
   uses: tuple[Use, ...]
+
+  @property
+  def choices_field(self) -> str:
+    """ModelConfig field listing the allowed counts."""
+    return CHOICE_FIELDS[self.name][0]
 
   def choices(self, config: ModelConfig) -> tuple[int, ...]:
     return getattr(config, self.choices_field)
@@ -60,7 +64,7 @@ def _u(kind, path, dim):
 
 
 AXES: dict[str, Axis] = {a.name: a for a in (
-    Axis("hidden", "hidden_choices", None, (
+    Axis("hidden", None, (
         _u("global", "embed", 1), _u("global", "final_norm", 0), _u("global", "lm_head", 0),
         _u("all", "norm", 0),
         _u("M", "mixer.in_z", 0), _u("M", "mixer.in_x", 0), _u("M", "mixer.in_B", 0),
@@ -70,17 +74,17 @@ AXES: dict[str, Axis] = {a.name: a for a in (
         _u("E", "mixer.shared_up", 0), _u("E", "mixer.shared_down", 1),
         _u("-", "mixer.up", 0), _u("-", "mixer.down", 1),
     )),
-    Axis("mamba_heads", "mamba_head_choices", "M", (
+    Axis("mamba_heads", "M", (
         _u("M", "mixer.in_z", 2), _u("M", "mixer.in_x", 2), _u("M", "mixer.in_dt", 2),
         _u("M", "mixer.conv_x", 2), _u("M", "mixer.conv_x_bias", 1), _u("M", "mixer.dt_bias", 1),
         _u("M", "mixer.A_log", 1), _u("M", "mixer.D", 1), _u("M", "mixer.norm", 1),
         _u("M", "mixer.out_proj", 1),
     )),
-    Axis("moe_experts", "expert_choices", "E", (
+    Axis("moe_experts", "E", (
         _u("E", "mixer.router", 1), _u("E", "mixer.router_bias", 0),
         _u("E", "mixer.up", 0), _u("E", "mixer.down", 0),
     )),
-    Axis("moe_ffn", "moe_ffn_choices", "E", (
+    Axis("moe_ffn", "E", (
         _u("E", "mixer.up", 2), _u("E", "mixer.down", 1),
     )),
 )}

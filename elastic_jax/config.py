@@ -12,11 +12,15 @@ from typing import Any, Mapping
 
 LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
-# Elastic per-layer axes: axis name -> per-layer size field, and (layer kind, homogeneous field).
+# Elastic axis name -> (field listing its choices, field holding its full size).
+CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
+                 "mamba_heads": ("mamba_head_choices", "mamba_num_heads"),
+                 "moe_experts": ("expert_choices", "n_routed_experts"),
+                 "moe_ffn": ("moe_ffn_choices", "moe_intermediate_size")}
+# Per-layer axes: axis name -> per-layer size field, and the layer kind each one sizes.
 PER_LAYER_FIELDS = {"mamba_heads": "mamba_heads_per_layer", "moe_experts": "experts_per_layer",
                     "moe_ffn": "moe_ffn_per_layer"}
-PER_LAYER_SIZES = (("M", "mamba_num_heads"), ("E", "n_routed_experts"),
-                   ("E", "moe_intermediate_size"))
+PER_LAYER_KINDS = {"mamba_heads": "M", "moe_experts": "E", "moe_ffn": "E"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +83,8 @@ class ModelConfig:
 
   def __post_init__(self):
     # Fill empty choice lists with the full size, then validate everything.
-    for name, full in (("hidden_choices", self.hidden_size),
-                       ("mamba_head_choices", self.mamba_num_heads),
-                       ("expert_choices", self.n_routed_experts),
-                       ("moe_ffn_choices", self.moe_intermediate_size)):
-      value = tuple(int(v) for v in getattr(self, name)) or (full,)
+    for name, size_field in CHOICE_FIELDS.values():
+      value = tuple(int(v) for v in getattr(self, name)) or (getattr(self, size_field),)
       object.__setattr__(self, name, value)
     for name in PER_LAYER_FIELDS.values():
       object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
@@ -133,11 +134,11 @@ class ModelConfig:
       return self
     kind = self.layer_pattern[layer]
     kw = {f: () for f in PER_LAYER_FIELDS.values()}
-    for (k, size_field), per_field in zip(PER_LAYER_SIZES, PER_LAYER_FIELDS.values()):
+    for axis, per_field in PER_LAYER_FIELDS.items():
       sizes = getattr(self, per_field)
-      if k == kind and sizes:
-        kw[size_field] = sizes[self.layers_of(kind).index(layer)]
-    kw.update(hidden_choices=(), mamba_head_choices=(), expert_choices=(), moe_ffn_choices=())
+      if PER_LAYER_KINDS[axis] == kind and sizes:
+        kw[CHOICE_FIELDS[axis][1]] = sizes[self.layers_of(kind).index(layer)]
+    kw.update({choices: () for choices, _ in CHOICE_FIELDS.values()})
     return self.replace(**kw)
 
   def replace(self, **kwargs) -> "ModelConfig":
@@ -202,7 +203,8 @@ class ModelConfig:
       if getattr(self, f) not in DTYPES:
         err(f, f"{getattr(self, f)!r} not in {DTYPES}")
     self._validate_choices(err)
-    for (kind, size_field), per_field in zip(PER_LAYER_SIZES, PER_LAYER_FIELDS.values()):
+    for axis, per_field in PER_LAYER_FIELDS.items():
+      kind, size_field = PER_LAYER_KINDS[axis], CHOICE_FIELDS[axis][1]
       sizes = getattr(self, per_field)
       n = self.layer_pattern.count(kind)
       if sizes and (len(sizes) != n or max(sizes) != getattr(self, size_field) or min(sizes) <= 0):
@@ -222,11 +224,8 @@ class ModelConfig:
       err("budgets", f"fractions must descend from 1.0 within (0, 1], got {fracs}")
 
   def _validate_choices(self, err):
-    for field, full in (("hidden_choices", self.hidden_size),
-                        ("mamba_head_choices", self.mamba_num_heads),
-                        ("expert_choices", self.n_routed_experts),
-                        ("moe_ffn_choices", self.moe_intermediate_size)):
-      ch = getattr(self, field)
+    for field, size_field in CHOICE_FIELDS.values():
+      ch, full = getattr(self, field), getattr(self, size_field)
       if ch[0] != full:
         err(field, f"first choice must be the full size {full}, got {ch}")
       if any(c <= 0 for c in ch) or list(ch) != sorted(set(ch), reverse=True):

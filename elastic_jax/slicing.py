@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import jax
 
 from elastic_jax.axes import AXES, leaf_sizes, map_param_leaves, normalize_counts
-from elastic_jax.config import PER_LAYER_FIELDS, ModelConfig
+from elastic_jax.config import CHOICE_FIELDS, PER_LAYER_FIELDS, ModelConfig
 
 
 def _freeze(norm: dict[str, tuple]) -> tuple:
@@ -23,12 +23,10 @@ def sliced_config(config: ModelConfig, counts: Mapping[str, Any] | None) -> Mode
   """The sub-model's own config: sizes from `counts`, choices capped at the new sizes."""
   norm = normalize_counts(config, counts)
   kw = {}
-  size_field = {"hidden": "hidden_size", "mamba_heads": "mamba_num_heads",
-                "moe_experts": "n_routed_experts", "moe_ffn": "moe_intermediate_size"}
   for name, axis in AXES.items():
     values = norm[name]
     top = max(values) if values else axis.full(config)
-    kw[size_field[name]] = top
+    kw[CHOICE_FIELDS[name][1]] = top
     kw[axis.choices_field] = tuple(c for c in axis.choices(config) if c <= top) or (top,)
     if name in PER_LAYER_FIELDS:
       kw[PER_LAYER_FIELDS[name]] = values if len(set(values)) > 1 else ()
