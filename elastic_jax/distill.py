@@ -32,13 +32,20 @@ def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction
   logits = router_lib.logits(router_params, onehot, config, rc)
   k_hard, k_sample = jax.random.split(key)
   hard = jax.random.bernoulli(k_hard, hard_prob)
-  probs = {}
+  probs, router_probs = {}, {}
   for (name, lg), k in zip(logits.items(), jax.random.split(k_sample, len(logits))):
     soft = router_lib.gumbel_softmax(lg * scale, tau, k)
     st = router_lib.gumbel_softmax(lg * scale, tau, k, hard=True)
     probs[name] = jnp.where(hard, st, soft)
+    router_probs[name] = jax.nn.softmax(lg * scale, -1)
   masks = router_lib.masks_from_probs(probs, config, "soft")
   student = apply(params, tokens, masks, config=config, moe_impl=moe_impl)
   kd = forward_kl(teacher_logits, student)
+  # The budget loss on the Gumbel sample (as the paper) meets KD's gradient where it acts;
+  # the same loss on the argmax architecture (what is deployed, with the gradient of the
+  # router's distribution pi) keeps pi's mode inside the band, where the sample-based term has
+  # no gradient once the sample saturates to one-hot.
   bl = router_lib.budget_loss(probs, config, fraction, rc)
+  deployed = {n: router_lib.straight_through(p) for n, p in router_probs.items()}
+  bl = bl + router_lib.budget_loss(deployed, config, fraction, rc)
   return kd + budget_weight * bl, {"kd": kd, "budget_loss": bl, "tau": tau, "scale": scale}

@@ -47,15 +47,17 @@ def _rows(config: ModelConfig, rc: RouterConfig, name: str) -> int:
 
 
 def init(config: ModelConfig, rc: RouterConfig, key) -> dict:
-  """Router params {axis: {"w1": [n_budgets, hidden], "w2": [hidden, rows*choices], "b2"}}."""
+  """Router params {axis: {"w1": [n_budgets, hidden], "w2": [hidden, rows*choices]}}.
+
+  Both layers are bias-free: a shared output bias would carry the full budget's anchor (the
+  strongest router gradient) into every other budget's logits."""
   nb = len(config.budgets)
   out = {}
   for name, key in zip(AXES, jax.random.split(key, len(AXES))):
     n_out = _rows(config, rc, name) * len(AXES[name].choices(config))
     k1, k2 = jax.random.split(key)
     out[name] = {"w1": rc.init_std * jax.random.normal(k1, (nb, rc.hidden)),
-                 "w2": rc.init_std * jax.random.normal(k2, (rc.hidden, n_out)),
-                 "b2": jnp.zeros((n_out,))}
+                 "w2": rc.init_std * jax.random.normal(k2, (rc.hidden, n_out))}
   return out
 
 
@@ -81,7 +83,7 @@ def logits(router_params: dict, onehot, config: ModelConfig, rc: RouterConfig) -
   out = {}
   for name, p in router_params.items():
     h = jax.nn.leaky_relu(onehot @ p["w1"], 0.1)
-    out[name] = (h @ p["w2"] + p["b2"]).reshape(_rows(config, rc, name), -1)
+    out[name] = (h @ p["w2"]).reshape(_rows(config, rc, name), -1)
   return out
 
 
@@ -98,10 +100,13 @@ def gumbel_softmax(logits_, tau, key, hard: bool = False):
   """Gumbel-softmax over the last dim; `hard` gives a straight-through one-hot."""
   g = -jnp.log(-jnp.log(jax.random.uniform(key, logits_.shape, minval=1e-10, maxval=1.0)))
   soft = jax.nn.softmax((logits_ + g) / tau, axis=-1)
-  if not hard:
-    return soft
-  one = jax.nn.one_hot(jnp.argmax(soft, -1), soft.shape[-1])
-  return one + soft - jax.lax.stop_gradient(soft)
+  return straight_through(soft) if hard else soft
+
+
+def straight_through(probs):
+  """One-hot of the argmax in the forward pass, the gradient of `probs` in the backward."""
+  one = jax.nn.one_hot(jnp.argmax(probs, -1), probs.shape[-1])
+  return one + probs - jax.lax.stop_gradient(probs)
 
 
 def _prefixes(config: ModelConfig, name: str):
@@ -139,6 +144,12 @@ def masks_from_probs(probs: Mapping[str, Any], config: ModelConfig, mode: str = 
       m = jnp.broadcast_to(m[:, None, :], shape)
     fields[name] = m
   return BudgetMasks(**fields)
+
+
+def chosen_counts(router_params: dict, config: ModelConfig, rc: RouterConfig, budget) -> dict:
+  """The sub-model the trained router picks for `budget` (a name or an off-grid fraction):
+  the per-axis argmax (what inference masks keep), as integer counts."""
+  return argmax_counts(logits(router_params, budget_onehot(config, budget), config, rc), config)
 
 
 def expected_counts(probs: Mapping[str, Any], config: ModelConfig) -> dict:
