@@ -51,8 +51,9 @@ def test_masked_forward_equals_sliced_model(cfg, params, tokens, d, heads, exper
 
 
 def test_full_masks_equal_no_masks(cfg, params, tokens):
+  # Two compiled programs (multiplying by ones changes the fusion order): fp32 rounding apart.
   np.testing.assert_allclose(apply(params, tokens, from_counts(cfg, None), config=cfg),
-                             apply(params, tokens, config=cfg), atol=1e-6)
+                             apply(params, tokens, config=cfg), atol=2e-5)
 
 
 def test_per_layer_counts_match_weight_surgery(cfg, params, tokens):
@@ -111,7 +112,7 @@ def test_masked_gated_norm_equals_norm_over_kept_heads():
   hm = jnp.broadcast_to(prefix_mask(3, 4), (2, 4))
   out = gated_group_rms_norm(y, z, w, 1e-5, hm)
   ref = gated_group_rms_norm(y[:, :, :, :3], z[:, :, :, :3], w[:, :3], 1e-5)
-  np.testing.assert_allclose(out[:, :, :, :3], ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out[:, :, :, :3], ref, rtol=1e-5, atol=2e-5)  # two compiled programs: fusion order differs
   np.testing.assert_array_equal(out[:, :, :, 3:], 0.0)
 
 

@@ -1,4 +1,4 @@
-"""MoE routing against a numpy reference; dense vs ragged dispatch (values and gradients)."""
+"""MoE routing against a numpy reference; dense vs ragged vs gather dispatch (values, gradients)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +32,8 @@ def test_masked_experts_never_selected(cfg, params):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_dense_equals_ragged(cfg, params, masked):
+@pytest.mark.parametrize("impl", ["ragged", "gather"])
+def test_dense_equals_sparse_dispatch(cfg, params, masked, impl):
   p = _moe_params(params, cfg)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, cfg.hidden_size))
   em = (jnp.arange(8) < 6).astype(jnp.float32) if masked else None
@@ -42,9 +43,9 @@ def test_dense_equals_ragged(cfg, params, masked):
     return lambda p, x: jnp.sum(moe_lib.moe(p, x, cfg, em, fm, impl=impl) ** 2)
 
   np.testing.assert_allclose(moe_lib.moe(p, x, cfg, em, fm, impl="dense"),
-                             moe_lib.moe(p, x, cfg, em, fm, impl="ragged"), rtol=1e-5, atol=1e-5)
+                             moe_lib.moe(p, x, cfg, em, fm, impl=impl), rtol=1e-5, atol=1e-5)
   gd = jax.grad(f("dense"), argnums=(0, 1))(p, x)
-  gr = jax.grad(f("ragged"), argnums=(0, 1))(p, x)
+  gr = jax.grad(f(impl), argnums=(0, 1))(p, x)
   for a, b in zip(jax.tree_util.tree_leaves(gd), jax.tree_util.tree_leaves(gr)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 

@@ -32,7 +32,17 @@ def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
   return jnp.einsum("bkrts,bskd->btkrd", w, v_BSKd)
 
 
-def attention(p: dict, x_BTD, c: ModelConfig):
+def init_state(c: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
+  """Empty KV cache with room for `max_len` tokens."""
+  shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+  dt_ = jnp.dtype(dtype or c.compute_dtype)
+  return {"k": jnp.zeros(shape, dt_), "v": jnp.zeros(shape, dt_)}
+
+
+def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS=None):
+  """Causal attention. With a KV cache `state` (see `init_state`), the T new tokens go to cache
+  columns [pos, pos + T) and attend to every earlier column marked in `key_valid_BS` (which
+  already covers the new columns); returns (out, new state)."""
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
   B, T, _ = x_BTD.shape
@@ -40,6 +50,18 @@ def attention(p: dict, x_BTD, c: ModelConfig):
   q = jnp.einsum("btd,dhk->bthk", x_BTD, p["q"].astype(dt_)).reshape(B, T, Hkv, rep, c.head_dim)
   k = jnp.einsum("btd,dhk->bthk", x_BTD, p["k"].astype(dt_))
   v = jnp.einsum("btd,dhk->bthk", x_BTD, p["v"].astype(dt_))
-  causal = jnp.tril(jnp.ones((T, T), bool))
-  out = attend(q, k, v, causal).reshape(B, T, c.num_attention_heads, c.head_dim)
-  return jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
+  if state is None:
+    mask = jnp.tril(jnp.ones((T, T), bool))
+  else:
+    put = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype),
+                                                          (0, pos, 0, 0))
+    state = {"k": put(state["k"], k), "v": put(state["v"], v)}
+    k, v = state["k"].astype(dt_), state["v"].astype(dt_)
+    col_S = jnp.arange(k.shape[1])
+    row_T = pos + jnp.arange(T)
+    # A padding query keeps its own column so its softmax row is never empty (NaN-free).
+    mask = ((key_valid_BS[:, None, :] & (col_S <= row_T[:, None])) | (col_S == row_T[:, None]))
+    mask = mask[:, None, None]
+  out = attend(q, k, v, mask).reshape(B, T, c.num_attention_heads, c.head_dim)
+  out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
+  return out if state is None else (out, state)

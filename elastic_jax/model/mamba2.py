@@ -43,23 +43,51 @@ def param_specs(c: ModelConfig) -> dict:
   return specs
 
 
-def causal_conv(x_BTC, w_KC, b_C=None):
+def causal_conv(x_BTC, w_KC, b_C=None, prev_BKC=None, n_pad_B=None):
   """Depthwise causal conv over time: out[t] = sum_k w[k] * x[t - K + 1 + k] (+ bias).
 
-  Channel dims after T may be any shape; `w` is [K, *channels].
+  Channel dims after T may be any shape; `w` is [K, *channels]. Inputs before t = 0 are zeros,
+  or `prev_BKC`, the last K - 1 inputs of the preceding tokens (the decode conv state); then
+  returns (out, the new conv state). `n_pad_B` (with `prev_BKC`): row b's first n inputs are
+  left padding (zeros) that the stream skips, so the previous state joins its first real input.
   """
   K = w_KC.shape[0]
   T = x_BTC.shape[1]
-  xp = jnp.pad(x_BTC, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BTC.ndim - 2))
+  if prev_BKC is None:
+    xp = jnp.pad(x_BTC, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BTC.ndim - 2))
+  else:
+    xp = jnp.concatenate([prev_BKC.astype(x_BTC.dtype), x_BTC], axis=1)
+    if n_pad_B is not None:
+      # Permute [prev, pads, real] to [pads, prev, real]: the zero pads then sit before the
+      # stream and the K - 1 inputs before each real one are the true preceding inputs.
+      i, n = jnp.arange(K - 1 + T), n_pad_B[:, None]
+      src = jnp.where(i < n, i + K - 1, jnp.where(i < n + K - 1, i - n, i))
+      xp = jax.vmap(lambda row, s: row[s])(xp, src)
   out = sum(xp[:, k:k + T] * w_KC[k] for k in range(K))
-  return out if b_C is None else out + b_C
+  out = out if b_C is None else out + b_C
+  return out if prev_BKC is None else (out, xp[:, T:])
+
+
+def init_state(c: ModelConfig, batch: int, dtype=None) -> dict:
+  """Empty decode state: the last K - 1 conv inputs per stream and the SSM state (fp32)."""
+  G, H, P, N, K = (c.mamba_n_groups, c.mamba_heads_per_group, c.mamba_head_dim, c.ssm_state_size,
+                   c.conv_kernel)
+  dt_ = jnp.dtype(dtype or c.compute_dtype)
+  return {"conv_x": jnp.zeros((batch, K - 1, G, H, P), dt_),
+          "conv_B": jnp.zeros((batch, K - 1, G, N), dt_),
+          "conv_C": jnp.zeros((batch, K - 1, G, N), dt_),
+          "ssm": jnp.zeros((batch, G, H, P, N), jnp.float32)}
 
 
 def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunked",
-           collect: bool = False):
+           collect: bool = False, state=None, valid_BT=None):
   """Mamba-2 mixer forward. `head_mask_GH` keeps a prefix of heads in each group.
 
   With `collect`, also returns {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P].
+  With a decode `state` (see `init_state`), continues from it and returns (out, new state).
+  `valid_BT` False marks left padding (in each row, False entries precede True ones): padded
+  tokens leave the conv and SSM state untouched (dt = 0), so a padded row computes what the
+  unpadded one does, also when the padding follows earlier tokens in `state`.
   """
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
@@ -70,24 +98,39 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunk
   Cm = proj(p["in_C"], "btd,dgn->btgn")
   dt_raw = proj(p["in_dt"], "btd,dgh->btgh")
   stats = {"x": channel_score(xs)} if collect else None
+  if valid_BT is not None:
+    keep = lambda v: jnp.where(valid_BT.reshape(valid_BT.shape + (1,) * (v.ndim - 2)), v, 0)
+    xs, Bm, Cm = keep(xs), keep(Bm), keep(Cm)
 
-  act = lambda v: jax.nn.silu(v)
-  xs = act(causal_conv(xs, p["conv_x"].astype(dt_), _opt(p, "conv_x_bias", dt_)))
-  Bm = act(causal_conv(Bm, p["conv_B"].astype(dt_), _opt(p, "conv_B_bias", dt_)))
-  Cm = act(causal_conv(Cm, p["conv_C"].astype(dt_), _opt(p, "conv_C_bias", dt_)))
+  new_state = {}
+  n_pad = None if valid_BT is None else jnp.sum(~valid_BT, axis=1)
+  def conv(v, name):
+    args = (v, p[name].astype(dt_), _opt(p, name + "_bias", dt_))
+    if state is None:
+      return jax.nn.silu(causal_conv(*args))
+    out, new_state[name] = causal_conv(*args, prev_BKC=state[name], n_pad_B=n_pad)
+    return jax.nn.silu(out)
+  xs, Bm, Cm = conv(xs, "conv_x"), conv(Bm, "conv_B"), conv(Cm, "conv_C")
 
   lo, hi = c.time_step_limit
   dt = jnp.clip(jax.nn.softplus(dt_raw.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)), lo, hi)
+  if valid_BT is not None:
+    dt = jnp.where(valid_BT[..., None, None], dt, 0.0)
   A = -jnp.exp(p["A_log"].astype(jnp.float32))
-  if scan == "chunked":
-    y, _ = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size)
-  elif scan == "sequential":
-    y, _ = ssd_sequential(xs, dt, A, Bm, Cm)
-  else:
+  h0 = None if state is None else state["ssm"]
+  if scan not in ("chunked", "sequential"):
     raise ValueError(f"scan must be 'chunked' or 'sequential', got {scan!r}")
+  # One decode token is one recurrence step; the chunked form would pad it to a whole chunk.
+  if scan == "chunked" and xs.shape[1] > 1:
+    y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0)
+  else:
+    y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0)
+  new_state["ssm"] = h
   y = y + p["D"].astype(jnp.float32)[..., None] * xs.astype(jnp.float32)
   y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, head_mask_GH).astype(dt_)
   out = jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
+  if state is not None:
+    return out, new_state
   return (out, stats) if collect else out
 
 

@@ -2,9 +2,10 @@
 gates times `routed_scaling_factor`, squared-ReLU experts (not gated), plus one shared expert.
 
 Leaves: router [D,E] fp32, router_bias [E] fp32, up [E,D,F], down [E,F,D], shared_up [D,Fs],
-shared_down [Fs,D]. Two dispatch paths that compute the same function: "dense" (every expert on
-every token, weighted by a sparse gate matrix; for CPU / tiny shapes) and "ragged" (tokens sorted
-by expert, `jax.lax.ragged_dot` grouped matmuls).
+shared_down [Fs,D]. Three dispatch paths that compute the same function: "dense" (every expert on
+every token, weighted by a sparse gate matrix; for CPU / tiny shapes), "ragged" (tokens sorted
+by expert, `jax.lax.ragged_dot` grouped matmuls) and "gather" (each token gathers its k experts'
+weights: reads only active weights, for decoding a few tokens at a time).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import init_utils as iu
 
-MOE_IMPLS = ("dense", "ragged")
+MOE_IMPLS = ("dense", "ragged", "gather")
 
 
 def param_specs(c: ModelConfig) -> dict:
@@ -84,6 +85,17 @@ def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_):
   return jnp.zeros_like(x_TD).at[token_of].add(y)
 
 
+def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
+  h = jnp.einsum("td,tkdf->tkf", x_TD, p["up"][idx].astype(dt_))
+  if ffn_mask_F is not None:
+    h = h * ffn_mask_F.astype(dt_)
+  y = jnp.einsum("tkf,tkfd->tkd", relu2(h), p["down"][idx].astype(dt_))
+  return jnp.einsum("tk,tkd->td", gates.astype(dt_), y)
+
+
+_EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _experts_gather}
+
+
 def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, impl: str = "dense",
         collect: bool = False):
   """MoE forward. With `collect`, also returns calibration statistics (dense path):
@@ -108,8 +120,7 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, imp
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
              "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0)}
   else:
-    routed = (_experts_dense if impl == "dense" else _experts_ragged)(
-        p, x_TD, gates, idx, ffn_mask_F, dt_)
+    routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_)
   shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)
   out = (routed + shared).reshape(B, T, D)
   return (out, stats) if collect else out
