@@ -27,6 +27,19 @@ def test_default_corpus(docs):
       data.END_THINK)
   with pytest.raises(ValueError, match="unknown reasoning sources"):
     data.reasoning_examples(2, sources=("chess",))
+  mix = data.reasoning_examples(10, seed=1, weights=(0.7, 0.15, 0.15))
+  assert [sum(e["source"] == s for e in mix) for s in data.REASONING_SOURCES] == [8, 1, 1]
+  with pytest.raises(ValueError, match="one non-negative weight per source"):
+    data.reasoning_examples(4, weights=(1.0,))
+
+
+def test_chain_arithmetic_traces():
+  assert data.chain_trace("3 + 4 - 9") == "3 + 4 = 7 ; 7 - 9 = -2"
+  for ex in data.reasoning_examples(20, seed=2, sources=("chain_arithmetic",)):
+    last = ex["think"].split(" = ")[-1]
+    assert last == ex["answer"] and eval(ex["question"][len("Calculate "):-1]) == int(last)
+  with pytest.raises(ValueError, match="expected 'a op b"):
+    data.chain_trace("3 * 4")
 
 
 def test_tokenizer(tok, tmp_path):
