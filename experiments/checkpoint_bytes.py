@@ -21,23 +21,6 @@ flags.DEFINE_string("workdir", None, "where to write the checkpoint (default: a 
 FLAGS = flags.FLAGS
 
 
-def scaled_config(reduced: bool):
-  from configs.nano_v3 import MODEL
-  if reduced:
-    return MODEL.replace(
-        layer_pattern="MEM*EMEM*E", hidden_size=128, vocab_size=2048, num_attention_heads=8,
-        head_dim=16, mamba_num_heads=16, mamba_head_dim=8, ssm_state_size=16,
-        n_routed_experts=16, moe_intermediate_size=128, moe_shared_expert_intermediate_size=256,
-        hidden_choices=(128, 96), mamba_head_choices=(16, 8), expert_choices=(16, 8),
-        moe_ffn_choices=(128, 96, 64), param_dtype="float32", compute_dtype="float32")
-  return MODEL.replace(
-      hidden_size=336, vocab_size=16384, num_attention_heads=32, head_dim=16,
-      mamba_head_dim=8, ssm_state_size=16, n_routed_experts=32, moe_intermediate_size=232,
-      moe_shared_expert_intermediate_size=464,
-      hidden_choices=(336, 288, 256), mamba_head_choices=(64, 56, 48), expert_choices=(32, 24, 16),
-      moe_ffn_choices=(232, 200, 160))
-
-
 def main(argv):
   del argv
   import jax
@@ -45,15 +28,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
 
   from elastic_jax import checkpoint, count_params, init
+  from scaled import paper_like_budgets, scaled_config
 
   cfg = scaled_config(FLAGS.reduced)
-  budgets = {"30B-like": {},
-             "23B-like": {n: c[1] for n, c in (("hidden", cfg.hidden_choices),
-                                                ("mamba_heads", cfg.mamba_head_choices),
-                                                ("moe_experts", cfg.expert_choices),
-                                                ("moe_ffn", cfg.moe_ffn_choices))},
-             "12B-like": {"hidden": cfg.hidden_choices[-1], "mamba_heads": cfg.mamba_head_choices[-1],
-                          "moe_experts": cfg.expert_choices[-1], "moe_ffn": cfg.moe_ffn_choices[-1]}}
+  budgets = paper_like_budgets(cfg)
   workdir = FLAGS.workdir or tempfile.mkdtemp()
   path = os.path.join(workdir, "nested")
   params = jax.jit(init, static_argnums=0)(cfg, jax.random.PRNGKey(0))

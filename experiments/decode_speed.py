@@ -1,0 +1,119 @@
+"""Prefill and decode tokens/s per budget (sliced standalone sub-models) vs the full model, next
+to each budget's active-parameter ratio (`elastic_jax.count_params`).
+
+Random weights (speed does not depend on training) on the scaled Nemotron 3 Nano shape of
+`scaled.py` (--quick: its reduced widths, three layers) in fp32 (CPU has no fast bf16 matmul).
+Prefill: `generate.prefill` of a batch of prompts in one chunk; decode: `generate.decode` (the
+jitted one-token step plus the host loop that streaming needs) for a fixed number of tokens.
+Every budget is compiled first, then timed `--reps` times, budgets interleaved (median). MoE
+dispatch: "dense" for prefill (every expert on every token: the fastest on CPU, so prefill time
+follows total rather than active expert weights), "gather" for decode (each token reads only its
+k experts).
+
+  python experiments/decode_speed.py            # scaled nano_v3, a few minutes on 2 CPU cores
+  python experiments/decode_speed.py --quick    # reduced shape, seconds (CI)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+
+def _time_prefill_decode(pre, dec, prompts, max_len: int, chunk: int, new_tokens: int):
+  """Seconds for one prefill (slice `pre`) and for decoding `new_tokens` after it (`dec`)."""
+  import jax
+
+  from elastic_jax import generate as G
+  t0 = time.perf_counter()
+  s = G.prefill(pre, prompts, max_len=max_len, chunk=chunk)
+  jax.block_until_ready(s.logits)
+  t1 = time.perf_counter()
+  _, s = G.decode(dec, s, new_tokens)
+  jax.block_until_ready(s.logits)
+  return t1 - t0, time.perf_counter() - t1
+
+
+def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int | None = None,
+        new_tokens: int | None = None, reps: int | None = None, prefill_moe: str = "dense",
+        decode_moe: str = "gather") -> list[dict]:
+  """Measures every budget; prints and writes `out/decode_speed.md`; returns the rows."""
+  import jax
+  import numpy as np
+
+  from elastic_jax import count_params
+  from elastic_jax import generate as G
+  from scaled import paper_like_budgets, random_params, scaled_config
+
+  cfg = scaled_config(reduced=quick).replace(param_dtype="float32", compute_dtype="float32")
+  if quick:   # three layers, one of each kind: compiles in seconds
+    cfg = cfg.replace(layer_pattern="M*E")
+  batch = batch or (2 if quick else 4)
+  prompt_len = prompt_len or (32 if quick else 128)
+  new_tokens = new_tokens or (8 if quick else 32)
+  reps = reps or (1 if quick else 5)
+  params = random_params(cfg)
+  prompts = np.random.RandomState(0).randint(5, cfg.vocab_size, (batch, prompt_len)).tolist()
+  max_len = prompt_len + new_tokens
+  full = count_params(cfg)
+  slices = {}
+  for name, counts in paper_like_budgets(cfg).items():
+    pre = G.sliced(params, cfg, counts, name, moe_impl=prefill_moe)
+    slices[name] = (counts, pre, G.Slice(pre.params, pre.config, None, name, moe_impl=decode_moe))
+    _time_prefill_decode(pre, slices[name][2], prompts, max_len, prompt_len, new_tokens)  # compile
+  # Budgets interleaved within each repetition, so a load change on a shared machine hits all.
+  times = {name: [] for name in slices}
+  for _ in range(reps):
+    for name, (_, pre, dec) in slices.items():
+      times[name].append(_time_prefill_decode(pre, dec, prompts, max_len, prompt_len, new_tokens))
+  rows = []
+  for name, (counts, pre, _) in slices.items():
+    pc = count_params(pre.config)
+    t_pre = statistics.median(t for t, _ in times[name])
+    t_dec = statistics.median(t for _, t in times[name])
+    rows.append({"budget": name, "counts": counts or "full", "active_params": pc.active,
+                 "active_ratio": pc.active / full.active, "total_ratio": pc.total / full.total,
+                 "prefill_tok_s": batch * prompt_len / t_pre,
+                 "decode_tok_s": batch * new_tokens / t_dec})
+  for r in rows:
+    r["prefill_ratio"] = r["prefill_tok_s"] / rows[0]["prefill_tok_s"]
+    r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+  head = (f"Decode speed per budget, {cfg.num_layers} layers, hidden {cfg.hidden_size}, fp32, "
+          f"{jax.devices()[0].platform} ({os.cpu_count()} cores), batch {batch}, prompt "
+          f"{prompt_len}, {new_tokens} new tokens, MoE dispatch {prefill_moe} (prefill) / "
+          f"{decode_moe} (decode), median of {reps}.")
+  table = ["| budget | active params | active ratio | total ratio | prefill tok/s | "
+           "prefill speed-up | decode tok/s | decode speed-up | 1 / active ratio |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    table.append(f"| {r['budget']} | {r['active_params']:,} | {r['active_ratio']:.3f} | "
+                 f"{r['total_ratio']:.3f} | "
+                 f"{r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f}x | "
+                 f"{r['decode_tok_s']:,.1f} | {r['decode_ratio']:.2f}x | "
+                 f"{1 / r['active_ratio']:.2f}x |")
+  text = head + "\n\n" + "\n".join(table) + "\n"
+  print(text)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "decode_speed.md"), "w") as f:
+    f.write("# Decode speed\n\n" + text)
+  return rows
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  F = flags.FLAGS
+  run(F.out, F.quick, F.batch, F.prompt_len, F.new_tokens, F.reps, F.prefill_moe, F.decode_moe)
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_string("out", "runs/decode_speed", "where to write decode_speed.md")
+  flags.DEFINE_bool("quick", False, "reduced shape and counts (CI)")
+  flags.DEFINE_integer("batch", None, "prompts per batch (default 4; quick 2)")
+  flags.DEFINE_integer("prompt_len", None, "prompt tokens (default 128; quick 32)")
+  flags.DEFINE_integer("new_tokens", None, "decoded tokens per row (default 32; quick 8)")
+  flags.DEFINE_integer("reps", None, "timed repetitions (default 5; quick 1)")
+  flags.DEFINE_enum("prefill_moe", "dense", ["dense", "ragged", "gather"], "MoE dispatch, prefill")
+  flags.DEFINE_enum("decode_moe", "gather", ["dense", "ragged", "gather"], "MoE dispatch, decode")
+  app.run(main)

@@ -1,0 +1,179 @@
+"""Think-then-answer (standard, elastic re-prefill, transplant) against a naive greedy re-run of
+`apply`; families from a checkpoint; streaming; the generate CLI and the two experiment scripts
+in reduced mode on a tiny random-weight checkpoint."""
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from elastic_jax import budget_control as bc
+from elastic_jax import checkpoint, from_counts
+from elastic_jax import generate as G
+from elastic_jax.data import train_tokenizer
+from test_generate import CHUNK, MAX_LEN, SMALL, _toks, naive_greedy
+
+EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "experiments")
+CAP, ANSWER = 4, 3
+QUICK_LEN = 512   # one cache size for the quick experiment and the CLI test
+
+
+def _naive_control(think, answer, prompt, end_think, eos):
+  """Reference: greedy think (stop at </think> / eos or the cap), append </think>, answer."""
+  out = naive_greedy(think.params, think.config, prompt, CAP + 1, think.masks,
+                     stop=(end_think, eos))
+  stop = next((j for j, t in enumerate(out) if t in (end_think, eos)), None)
+  trace = out[:stop] if stop is not None and stop <= CAP else out[:CAP]
+  capped = stop is None or stop > CAP
+  ans = naive_greedy(answer.params, answer.config, prompt + trace + [end_think], ANSWER,
+                     answer.masks, stop=(eos,))
+  return trace, (ans[:-1] if ans and ans[-1] == eos else ans), capped
+
+
+@pytest.fixture(scope="module")
+def masked_family(cfg, params):
+  return bc.Family(params, cfg, {"small": SMALL}, mode="masked")
+
+
+def test_standard_and_elastic_match_naive(cfg, params, masked_family):
+  toks = _toks(cfg)
+  prompts = [list(toks[0, :6]), list(toks[1, :3])]
+  full, small = masked_family.get("full"), masked_family.get("small")
+  assert masked_family.get("small") is small and masked_family.names == ["full", "small"]
+  # </think> := what the small slice writes second on row 0, so one trace ends by itself.
+  end_think = naive_greedy(params, cfg, prompts[0], 2, from_counts(cfg, SMALL))[1]
+  eos = 0
+  for think, answer, mode in ((full, full, "standard"), (small, full, "reprefill"),
+                              (small, small, "standard")):
+    streamed = [[], []]
+    res = bc.think_then_answer(think, answer, prompts, CAP, ANSWER, end_think=end_think, eos=eos,
+                               max_len=MAX_LEN, chunk=CHUNK,
+                               on_token=lambda i, t: streamed[i].append(t))
+    for p, r, s in zip(prompts, res, streamed):
+      trace, ans, capped = _naive_control(think, answer, p, end_think, eos)
+      assert (r.think, r.answer, r.capped, r.mode) == (trace, ans, capped, mode)
+      assert s[:len(trace) + 1] == trace + [end_think]
+    if think is small:
+      assert not res[0].capped and len(res[0].think) == 1
+
+
+def test_transplant_sliced_equals_masked(cfg, params, masked_family):
+  """Think large, answer small continuing its cache: sliced (heads truncated) == masked."""
+  sliced = bc.Family(params, cfg, {"small": SMALL}, mode="sliced")
+  toks = _toks(cfg)
+  prompts = [list(toks[0, :6]), list(toks[1, :3])]
+  res = [bc.think_then_answer(f.get("full"), f.get("small"), prompts, CAP, ANSWER,
+                              transplant=True, max_len=MAX_LEN, chunk=CHUNK)
+         for f in (sliced, masked_family)]
+  for a, b in zip(*res):
+    assert a.mode == b.mode == "transplant"
+    assert (a.think, a.answer) == (b.think, b.answer)
+    np.testing.assert_allclose(a.first_logits, b.first_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_errors(cfg, params, masked_family):
+  full = masked_family.get("full")
+  with pytest.raises(ValueError, match=r"unknown budget 'tiny'; allowed: \['full', 'small'\]"):
+    masked_family.get("tiny")
+  with pytest.raises(ValueError, match="unknown mode 'fast'"):
+    bc.Family(params, cfg, {}, mode="fast")
+  with pytest.raises(ValueError, match="max_think_tokens >= 0"):
+    bc.think_then_answer(full, full, [[1, 5]], -1, 3)
+  with pytest.raises(ValueError, match="mismatched slices: vocab"):
+    bc.think_then_answer(full, G.Slice(None, cfg.replace(vocab_size=32)), [[1, 5]], 2, 3)
+  with pytest.raises(ValueError, match="cache overflow"):
+    bc.think_then_answer(full, full, [[1, 5]], 12, 8, max_len=MAX_LEN, chunk=CHUNK)
+
+
+def test_stream_printer():
+  tok = train_tokenizer(["a b </think>c", "price 10"] * 4, 280)
+  ids = tok.encode("x ü y </think>z").ids  # ü: two byte tokens, never merged
+  one, many = io.StringIO(), io.StringIO()
+  p1, p2 = bc.StreamPrinter(tok, 1, one), bc.StreamPrinter(tok, 2, many)
+  partial = []
+  for t in ids:
+    p1(0, t)
+    p2(1, t)
+    partial.append(one.getvalue())
+  p1.finish()
+  p2.finish()
+  assert one.getvalue() == "x ü y </think>z\n"
+  assert all("\ufffd" not in s for s in partial) and len(set(partial)) > 3
+  assert many.getvalue() == "[0] \n[1] x ü y </think>z\n\n"
+  assert bc.is_correct(tok, tok.encode(" 10 ").ids, "10 ")
+  assert not bc.is_correct(tok, tok.encode("10").ids, "1")
+
+
+# ------------------------------------------------------------------ checkpoint, CLI, experiments
+@pytest.fixture(scope="module")
+def tiny_ckpt(cfg, params, tmp_path_factory):
+  """A random-weight nested checkpoint with a real tokenizer (vocab 288 > the 261 byte-level
+  base tokens); budgets full / small. The shared params' first three layers (M * E: quick
+  to compile) with a larger vocab."""
+  d = tmp_path_factory.mktemp("bc")
+  tok = train_tokenizer(["Calculate 3 + 4 - 2.\n<think> 3 + 4 = 7 </think>5"] * 8, 288)
+  tok.save(str(d / "tokenizer.json"))
+  ccfg = cfg.replace(vocab_size=288, layer_pattern="M*E")
+  rs = np.random.RandomState(0)
+  params = {**params, "layers": params["layers"][:3],
+            "embed": rs.normal(0, 0.2, (288, cfg.hidden_size)).astype(np.float32),
+            "lm_head": rs.normal(0, 0.2, (cfg.hidden_size, 288)).astype(np.float32)}
+  return checkpoint.save(str(d / "nested"), params, ccfg, tokenizer=str(d / "tokenizer.json"),
+                         budget_counts={"full": {}, "small": SMALL})
+
+
+def test_load_family(tiny_ckpt):
+  fam = bc.load_family(tiny_ckpt, mode="sliced")
+  assert fam.names == ["full", "small"] and fam.get("small").config.hidden_size == 24
+  with pytest.raises(ValueError, match=r"unknown budget 'big'; allowed: \['full', 'small'\]"):
+    fam.get("big")
+  ids = bc.prompt_ids(fam.tokenizer, "Calculate 3 + 4.")
+  assert ids[0] == 1 and ids[-1] == 3 and bc.special_ids(fam.tokenizer) == {"end_think": 4,
+                                                                             "eos": 2}
+  with pytest.raises(ValueError, match="unknown mode"):
+    bc.load_family(tiny_ckpt, mode="fast")
+
+
+def _script(name):
+  sys.path.insert(0, EXPERIMENTS)
+  spec = importlib.util.spec_from_file_location(name, os.path.join(EXPERIMENTS, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_budget_control_experiment_quick(tiny_ckpt, tmp_path):
+  exp = _script("budget_control")
+  front = exp.frontier([(3.0, 0.5), (1.0, 0.2), (2.0, 0.1), (4.0, 0.5), (2.5, 0.4)])
+  assert front == [(1.0, 0.2), (2.5, 0.4), (3.0, 0.5)]
+  cmp = exp.compare(front, [(0.5, 0.2), (2.0, 0.45)])
+  assert cmp["acc_gain"] == pytest.approx((0.05, 2.5, 0.4)) and cmp["speedup"][:2] == (2.0, 1.0)
+  rows = exp.run(tiny_ckpt, str(tmp_path), quick=True, max_len=QUICK_LEN)
+  assert {r["kind"] for r in rows} == {"standard", "elastic", "transplant"}
+  assert all(r["latency_s"] > 0 and 0 <= r["accuracy"] <= 1 for r in rows)
+  assert all(-1 <= r["cosine"] <= 1 for r in rows if r["kind"] == "transplant")
+  md = (tmp_path / "budget_control.md").read_text()
+  assert md.count("\n| ") >= len(rows) and (tmp_path / "budget_control.png").stat().st_size > 0
+
+
+def test_decode_speed_experiment_quick(tmp_path):
+  rows = _script("decode_speed").run(str(tmp_path), quick=True)
+  assert [r["budget"] for r in rows] == ["30B-like", "23B-like", "12B-like"]
+  assert rows[0]["decode_ratio"] == 1.0 and rows[2]["active_ratio"] < rows[1]["active_ratio"] < 1
+  assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+  assert (tmp_path / "decode_speed.md").read_text().count("\n| ") >= 4
+
+
+def test_generate_cli_streams(tiny_ckpt):
+  """Runs after the quick experiment: same slices and cache size, so the programs it compiled
+  come from the persistent compilation cache."""
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.generate", f"--checkpoint={tiny_ckpt}",
+                      "--think_budget=small", "--answer_budget=full", "--max_think_tokens=5",
+                      "--max_answer_tokens=3", "--prompt=Calculate 3 + 4.",
+                      f"--max_len={QUICK_LEN}"], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "</think>" in r.stdout and "[small -> full, reprefill]" in r.stderr
