@@ -3,8 +3,7 @@
 The per-axis choice lists are ours (NVIDIA's exact 23B/12B values are not public; the router picks
 among these). Widths stay multiples of 16 so NVFP4 blocks slice cleanly.
 """
-import ml_collections
-
+from configs import training
 from elastic_jax.config import ModelConfig
 
 MODEL = ModelConfig(
@@ -26,4 +25,14 @@ MODEL = ModelConfig(
 
 
 def get_config():
-  return ml_collections.ConfigDict({"model": MODEL.to_dict()})
+  """The run's shape at paper scale (METHOD.md section 5: model LR 1e-4, router LR 1e-2, long
+  context); step counts are placeholders, not a tuned recipe, and need a sharded mesh."""
+  cfg = training.defaults()
+  cfg.model = MODEL.to_dict()
+  cfg.data.seq_len, cfg.data.batch = 8192, 64
+  cfg.pretrain.steps = 0                     # start from the released parent (--hf_dir)
+  cfg.elastic.update(stage1_steps=20_000, stage2_steps=5_000, stage2_len_mult=6, lr=1e-4,
+                     warmup=100, calib_batches=16)  # 1024 x 8192-token calibration
+  cfg.checkpoint.save_every = 500
+  cfg.log_every = 10
+  return cfg

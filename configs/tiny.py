@@ -1,6 +1,5 @@
 """Tiny CPU default (< 2M params) with the parent's structure: all three block types."""
-import ml_collections
-
+from configs import training
 from elastic_jax.config import ModelConfig
 
 MODEL = ModelConfig(
@@ -21,4 +20,7 @@ MODEL = ModelConfig(
 
 
 def get_config():
-  return ml_collections.ConfigDict({"model": MODEL.to_dict()})
+  """The whole run: `model` (ModelConfig fields) plus the training sections."""
+  cfg = training.defaults()
+  cfg.model = MODEL.to_dict()
+  return cfg

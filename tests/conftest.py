@@ -3,6 +3,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Programs compiled by one test (or its subprocesses: the train / experiment CLIs) are reused by
+# the next ones with the same shapes.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tracing dominates on CPU
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -24,6 +29,7 @@ CFG = ModelConfig(
 )
 
 
+@jax.jit
 def perturb(params, key):
   """Random non-default values for norms, A_log, D, dt_bias and the router correction bias."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -1,23 +1,114 @@
-"""Smoke run of the main job on the tiny default: every phase, the checkpoint and the table."""
+"""The main job on the tiny default: every phase, the checkpoint, the table, and exact resume
+after SIGKILL (mid-pretraining and mid-elastic), compared step by step with an uninterrupted run.
+"""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
+import pytest
+
 from elastic_jax import checkpoint
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def test_train_pipeline_smoke(tmp_path):
-  workdir = str(tmp_path / "run")
-  r = subprocess.run([sys.executable, "-m", "elastic_jax.train", f"--workdir={workdir}",
-                      "--pretrain_steps=10", "--stage1_steps=6", "--stage2_steps=4",
-                      "--log_every=5", "--batch=4"], capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert "| budget | target |" in r.stdout and "| small | 0.56 |" in r.stdout
-  assert "tok/s" in r.stdout and "eta" in r.stdout
+# Small corpus and few steps; log every step so the loss curves can be compared exactly. The
+# steps and data match experiments/elastic_vs_separate.py --quick (its test reuses this run).
+FLAGS = ["--config.pretrain.steps=8", "--config.elastic.stage1_steps=30",
+         "--config.elastic.stage2_steps=10", "--config.log_every=1",
+         "--config.checkpoint.save_every=3", "--config.data.batch=4", "--config.data.n_text=300",
+         "--config.data.n_reasoning=300", "--config.eval.n_reasoning=4",
+         "--config.eval.max_think_tokens=8", "--config.eval.max_answer_tokens=4"]
+
+
+def _cmd(workdir):
+  return [sys.executable, "-m", "elastic_jax.train", f"--workdir={workdir}", *FLAGS]
+
+
+def _curve(workdir):
+  """{(phase, step): loss} of the training phases."""
+  out = {}
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    r = json.loads(line)
+    if r["phase"] in ("pretrain", "elastic"):
+      assert (r["phase"], r["step"]) not in out, f"duplicate record {r}"
+      out[(r["phase"], r["step"])] = r["loss"]
+  return out
+
+
+def _run_until(workdir, marker):
+  """Starts the job and SIGKILLs it as soon as it prints a line starting with `marker`."""
+  p = subprocess.Popen(_cmd(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  seen = []
+  for line in p.stdout:
+    seen.append(line)
+    if line.startswith(marker):
+      p.send_signal(signal.SIGKILL)
+      break
+  p.wait(timeout=600)
+  assert p.returncode == -signal.SIGKILL, "".join(seen[-30:])
+  return "".join(seen)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("ref"))
+  r = subprocess.run(_cmd(workdir), capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return workdir, r.stdout
+
+
+def test_pipeline_end_to_end(reference):
+  workdir, out = reference
+  assert "| budget | target |" in out and "| small | 0.56 |" in out
+  assert "tok/s" in out and "eta" in out
   records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   assert {r["phase"] for r in records} == {"pretrain", "elastic", "report"}
+  report = [r for r in records if r["phase"] == "report"]
+  assert [r["budget"] for r in report] == ["full", "medium", "small"]
+  assert all(0.0 <= r["answer_acc"] <= 1.0 for r in report)
+  # The router's chosen sub-models meet their active-parameter targets within the 5% band.
+  for r in report:
+    assert abs(r["active_ratio"] / r["target"] - 1) <= 0.05, r
+  for phase in ("pretrain", "elastic"):  # TensorBoard event files
+    assert any(f.startswith("events.out.tfevents") for f in
+               os.listdir(os.path.join(workdir, "tb", phase)))
   meta = checkpoint.load_metadata(os.path.join(workdir, "nested"))
   assert set(meta["budget_counts"]) == {"full", "medium", "small"} and meta["has_router"]
   small, small_cfg = checkpoint.restore(os.path.join(workdir, "nested"), "small")
   assert small_cfg.hidden_size <= 96
+
+
+def test_resume_after_kill_is_exact(reference, tmp_path):
+  ref_dir, _ = reference
+  workdir = str(tmp_path / "killed")
+  # Killed as soon as a checkpoint is committed (the run has gone on meanwhile), first while
+  # pretraining, then, after pretraining resumed and finished, while distilling.
+  _run_until(workdir, "pretrain: checkpoint ")
+  _run_until(workdir, "elastic: checkpoint ")
+  r = subprocess.run(_cmd(workdir), capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "elastic: resumed from step" in r.stdout
+  ref, got = _curve(ref_dir), _curve(workdir)
+  assert len(ref) == 8 + 40 and got == ref
+
+
+def test_elastic_vs_separate_quick_mode(reference, tmp_path):
+  ref_dir, _ = reference
+  workdir = tmp_path / "evs"
+  shutil.copytree(ref_dir, workdir)
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "elastic_vs_separate.py"),
+                      "--quick", f"--workdir={workdir}"], capture_output=True, text=True,
+                     timeout=900, cwd=str(tmp_path))
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  # The main job's parent and family, reused as they are (a finished phase resumes at its end).
+  assert "parent: loaded the nested parent" in r.stdout
+  assert "elastic: resumed from step 40/40" in r.stdout and _curve(workdir) == _curve(ref_dir)
+  table = (workdir / "elastic_vs_separate.md").read_text()
+  for approach in ("parent", "elastic", "scratch", "minitron"):
+    assert f"| {approach} |" in table
+  rows = [l for l in table.splitlines() if l.startswith("| elastic | small |")]
+  assert len(rows) == 1 and "| 12,800 |" in rows[0]   # 30 x 4 x 64 + 10 x 4 x 128 student tokens
+  assert (workdir / "elastic_vs_separate.png").stat().st_size > 10_000

@@ -1,0 +1,39 @@
+"""Training-run defaults shared by every preset (ml_collections; override with
+`--config.<section>.<field>=value` on the `elastic_jax.train` command line)."""
+import ml_collections
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Sections: data, pretrain (the parent), elastic (KD + router), router, eval, checkpoint."""
+  return ml_collections.ConfigDict({
+      "seed": 0,
+      "log_every": 25,
+      "data": {
+          "n_text": 4000,          # KJV verses in the embedded corpus
+          "n_reasoning": 4000,     # reasoning traces from these sources, in these proportions
+          "reasoning_sources": ("chain_arithmetic", "basic_arithmetic", "gsm_symbolic"),
+          "reasoning_weights": (0.7, 0.15, 0.15),
+          "seq_len": 64,           # pretraining / stage-1 length; stage 2 uses seq_len x stage2_len_mult
+          "batch": 16,
+      },
+      "pretrain": {"steps": 600, "lr": 3e-3, "warmup": 20},
+      "elastic": {
+          "stage1_steps": 150, "stage2_steps": 50,
+          "stage2_len_mult": 2,
+          "lr": 1e-3, "router_lr": 1e-2, "warmup": 10,
+          "p_full": 0.33,                     # stage 1: full budget, else uniform over the rest
+          "stage2_probs": (0.5, 0.3, 0.2),    # stage 2: large -> small
+          "budget_weight": 1.0, "hard_prob": 0.004,
+          "calib_batches": 8,                 # importance ranking before nesting
+      },
+      "router": {
+          "hidden": 256, "per_layer": (), "scale_end": 10.0,
+          "tau_min": 0.05,
+          # Temperature reaches tau_min at this fraction of the elastic steps (tau = decay^step).
+          "tau_anneal_frac": 0.8,
+          "band": 0.05, "anchor_weight": 10.0,
+      },
+      "eval": {"n_reasoning": 64, "sources": ("chain_arithmetic",), "max_think_tokens": 48,
+               "max_answer_tokens": 8},
+      "checkpoint": {"save_every": 50, "keep": 2},
+  })

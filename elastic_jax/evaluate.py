@@ -1,0 +1,80 @@
+"""Per-budget evaluation of a nested family: sizes, validation loss / perplexity and generated
+reasoning accuracy of each sliced sub-model, and the markdown table the main job prints."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from elastic_jax.axes import AXES
+from elastic_jax.config import ModelConfig
+from elastic_jax.params_count import count_params
+from elastic_jax.phases import lm_loss
+from elastic_jax.slicing import slice_params
+
+
+_lm_loss = jax.jit(lm_loss, static_argnums=2)
+
+
+def val_loss(params, config: ModelConfig, rows: np.ndarray, batch_size: int = 16) -> float:
+  """Mean next-token cross-entropy over validation `rows` ([n, L+1]; a partial last batch is
+  dropped only if there is more than one batch)."""
+  n = len(rows) if len(rows) < batch_size else len(rows) // batch_size * batch_size
+  if n == 0:
+    raise ValueError("no validation rows")
+  step = min(batch_size, n)
+  losses = [float(_lm_loss(params, rows[i:i + step], config)) for i in range(0, n, step)]
+  return float(np.mean(losses))
+
+
+def answer_accuracy(params, config: ModelConfig, tokenizer, examples: Sequence[Mapping],
+                    max_think_tokens: int, max_answer_tokens: int) -> float:
+  """Exact match of the generated answer (greedy; think up to the cap, `</think>` forced there,
+  then answer) against each example's gold answer."""
+  from elastic_jax import budget_control as bc
+  from elastic_jax.generate import Slice
+  if not examples:
+    return float("nan")
+  slc = Slice(params, config)
+  prompts = [bc.prompt_ids(tokenizer, ex["question"]) for ex in examples]
+  results = bc.think_then_answer(slc, slc, prompts, max_think_tokens, max_answer_tokens,
+                                 **bc.special_ids(tokenizer))
+  hits = [bc.is_correct(tokenizer, r.answer, ex["answer"]) for r, ex in zip(results, examples)]
+  return float(np.mean(hits))
+
+
+def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str, Any]],
+           val_rows, tokenizer, examples: Sequence[Mapping] = (), *,
+           max_think_tokens: int = 48, max_answer_tokens: int = 8) -> list[dict]:
+  """One row per budget: counts, total / active params and ratio, val loss / ppl, accuracy."""
+  full_active = count_params(config).active
+  rows = []
+  for name, counts in budget_counts.items():
+    small, small_cfg = slice_params(params, config, counts)
+    pc = count_params(small_cfg)
+    loss = val_loss(small, small_cfg, val_rows)
+    acc = answer_accuracy(small, small_cfg, tokenizer, examples, max_think_tokens,
+                          max_answer_tokens) if examples else float("nan")
+    rows.append({"budget": name, "target": config.budget_fraction(name),
+                 "counts": {a: list(v) if isinstance(v, tuple) else int(v)
+                            for a, v in counts.items()},
+                 "total_params": pc.total, "active_params": pc.active,
+                 "active_ratio": pc.active / full_active, "val_loss": loss,
+                 "val_ppl": math.exp(loss), "answer_acc": acc})
+  return rows
+
+
+def markdown_table(rows: Sequence[Mapping]) -> str:
+  """The per-budget table (see `report`) as markdown."""
+  axes = list(AXES)
+  out = [f"| budget | target | counts ({', '.join(axes)}) | total params | active params | "
+         "active ratio | val loss | val ppl | answer acc |",
+         "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    counts = ", ".join(str(r["counts"][a]) for a in axes)
+    out.append(f"| {r['budget']} | {r['target']:.2f} | {counts} | {r['total_params']:,} | "
+               f"{r['active_params']:,} | {r['active_ratio']:.3f} | {r['val_loss']:.3f} | "
+               f"{r['val_ppl']:.1f} | {r['answer_acc']:.3f} |")
+  return "\n".join(out)

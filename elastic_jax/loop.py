@@ -1,0 +1,125 @@
+"""A resumable training loop: Orbax CheckpointManager, exact resume, progress, NaN guard.
+
+`run_phase` drives `step_fn(state, step) -> (state, metrics, n_tokens)` from the last saved step
+to `total_steps`. A checkpoint holds the state pytree (params, optimizer, ...) and the JSON
+state of every data iterator; anything random must derive from `step` (not from host RNG
+state) so that a resumed run repeats the uninterrupted one exactly. Saves are Orbax's: written
+to a temporary directory and renamed when complete, so a run killed mid-save resumes from the
+previous checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from elastic_jax.metrics import MetricsWriter
+
+
+def check_finite(value: float, what: str, step: int) -> float:
+  """`value`, or FloatingPointError naming `what` and `step` if it is NaN / Inf."""
+  value = float(value)
+  if not math.isfinite(value):
+    raise FloatingPointError(f"{what} is {value} at step {step}; lower the learning rate or check "
+                             "the data (no checkpoint was written from this state)")
+  return value
+
+
+def commit(tree):
+  """Every array of `tree` committed to the sharding it already has. Restored checkpoints are
+  committed and fresh arrays are not; jit compiles (and caches) a different program for each,
+  so a resumed run would otherwise compile everything again."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, tree)
+
+
+def manager(directory: str, keep: int = 2) -> ocp.CheckpointManager:
+  """A CheckpointManager for one phase: {"state": pytree, "data": iterator states (JSON)}."""
+  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                      cleanup_tmp_directories=True)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=opts,
+                               item_names=("state", "data"))
+
+
+def restore_latest(mngr: ocp.CheckpointManager, state, iterators: Mapping[str, Any]):
+  """(step, state) from the newest complete checkpoint (iterators set in place); (0, state)
+  if there is none. The saved tree must match `state`'s structure, shapes and dtypes."""
+  step = mngr.latest_step()
+  if step is None:
+    return 0, state
+  abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+  try:
+    got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                     data=ocp.args.JsonRestore()))
+  except Exception as e:  # orbax raises many types for damaged or mismatched directories
+    raise ValueError(f"{mngr.directory}: cannot resume from step {step} ({type(e).__name__}: "
+                     f"{e}); delete the directory to start this phase over") from None
+  missing = sorted(set(iterators) - set(got.data))
+  if missing:
+    raise ValueError(f"{mngr.directory}: step {step} has no state for data iterators {missing}")
+  for name, it in iterators.items():
+    it.set_state(got.data[name])
+  return step, got.state
+
+
+def _committed(phase: str, step: int) -> None:
+  print(f"{phase}: checkpoint {step} committed", flush=True)
+
+
+def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_dir: str,
+              writer: MetricsWriter, iterators: Mapping[str, Any] | None = None,
+              log_every: int = 25, save_every: int = 50, keep: int = 2,
+              describe: Callable[[int], str] | None = None, loss_key: str = "loss"):
+  """Runs `phase` to `total_steps`, resuming from `ckpt_dir` if it holds a checkpoint.
+
+  `step_fn(state, step)` (1-based step) returns (state, metrics: dict of scalars, tokens in the
+  step). Every `log_every` steps (and the last) prints loss, tokens/s and ETA and writes the
+  metrics; every `save_every` steps (and the last) saves, after checking that the loss is
+  finite. `describe(step)` adds a host-side note to the progress line (e.g. the budget).
+  """
+  iterators = dict(iterators or {})
+  mngr = manager(ckpt_dir, keep)
+  start, state = restore_latest(mngr, state, iterators)
+  writer.resume(phase, start)  # drops records an interrupted attempt wrote after `start`
+  if start:
+    print(f"{phase}: resumed from step {start}/{total_steps} ({mngr.directory})", flush=True)
+  t0, tokens, pending = time.perf_counter(), 0, None
+  try:
+    for step in range(start + 1, total_steps + 1):
+      state, metrics, n_tok = step_fn(state, step)
+      tokens += n_tok
+      last = step == total_steps
+      if step % log_every == 0 or last:
+        values = {k: check_finite(v, f"{phase} {k}", step) for k, v in metrics.items()
+                  if np.ndim(v) == 0}
+        dt = time.perf_counter() - t0
+        tps = tokens / dt
+        eta = (total_steps - step) * dt / (step - start)
+        note = f" {describe(step)}" if describe else ""
+        extras = " ".join(f"{k} {v:.3f}" for k, v in values.items() if k != loss_key)
+        print(f"{phase} {step}/{total_steps}{note} loss {values[loss_key]:.4f} {extras} "
+              f"{tps:,.0f} tok/s eta {eta:.0f}s", flush=True)
+        writer.write(phase, step, **values, tok_per_s=tps)
+      if pending and not mngr.is_saving_in_progress():
+        pending = _committed(phase, pending)
+      if step % save_every == 0 or last:
+        if pending:  # the previous save must finish first (Orbax would wait for it too)
+          mngr.wait_until_finished()
+          _committed(phase, pending)
+        check_finite(metrics[loss_key], f"{phase} {loss_key}", step)
+        data_state = {name: it.get_state() for name, it in iterators.items()}
+        # Async: written in the background, visible to a restart only once committed.
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                data=ocp.args.JsonSave(data_state)))
+        pending = step
+    mngr.wait_until_finished()
+    if pending:
+      _committed(phase, pending)
+  finally:
+    mngr.close()
+  return state

@@ -1,0 +1,158 @@
+"""The training phases of an elastic run, each resumable (`loop.run_phase`):
+
+- `pretrain`: next-token cross-entropy (the tiny parent, or a small model from scratch);
+- `distill`: one fixed student against a frozen teacher (forward KL), e.g. a pruned slice
+  (Minitron-style baseline);
+- `elastic`: the whole family in one run: budget router + masked student vs the frozen parent
+  (forward KL + budget loss), one budget per step, two stages (METHOD.md section 5).
+
+Batches come from grain iterators (their state is checkpointed); everything random derives from
+(seed, step), so a resumed phase repeats the uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from elastic_jax import router as router_lib
+from elastic_jax.config import ModelConfig
+from elastic_jax.distill import elastic_loss, forward_kl
+from elastic_jax.loop import commit, run_phase
+from elastic_jax.model.model import apply
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOptions:
+  """Where and how often a phase logs and checkpoints (`ckpt_dir` is per phase)."""
+  ckpt_dir: str
+  writer: Any                      # metrics.MetricsWriter
+  log_every: int = 25
+  save_every: int = 50
+  keep: int = 2
+
+
+def lm_loss(params, tokens_BT, config: ModelConfig, masks=None):
+  """Mean next-token cross-entropy of `tokens[:, 1:]` given `tokens[:, :-1]`."""
+  logits = apply(params, tokens_BT[:, :-1], masks, config=config)
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens_BT[:, 1:, None], -1))
+
+
+def adamw(lr: float, steps: int, warmup: int, clip: float = 1.0):
+  """AdamW, linear warmup + cosine decay, global-norm clipping (one param group)."""
+  warm = max(warmup, 1)
+  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(
+      optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1))))
+
+
+def _train_step(loss_fn: Callable, opt):
+  """jitted (state, *args) -> (state, metrics); loss_fn(params, *args) -> (loss, metrics)."""
+  @jax.jit
+  def step(state, *args):
+    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], *args)
+    updates, opt_state = opt.update(g, state["opt"], state["params"])
+    return ({"params": optax.apply_updates(state["params"], updates), "opt": opt_state},
+            {"loss": loss, **metrics})
+  return step
+
+
+def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step=None,
+         describe=None, iterators=None):
+  step = _train_step(loss_fn, opt)
+
+  def step_fn(state, i):
+    x = jnp.asarray(next(it(i)) if callable(it) else next(it))
+    extra = args_for_step(i, x) if args_for_step else ()
+    state, metrics = step(state, x, *extra)
+    return state, metrics, int(x[:, :-1].size)
+
+  state = commit({"params": params, "opt": opt.init(params)})
+  state = run_phase(name, step_fn, state, total, ckpt_dir=loop.ckpt_dir, writer=loop.writer,
+                    iterators=iterators or {"train": it}, log_every=loop.log_every,
+                    save_every=loop.save_every, keep=loop.keep, describe=describe)
+  return state["params"]
+
+
+def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions, *,
+             lr: float = 3e-3, warmup: int = 20, name: str = "pretrain"):
+  """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows)."""
+  loss_fn = lambda p, x: (lm_loss(p, x, config), {})
+  return _run(name, loss_fn, params, adamw(lr, steps, warmup), steps, batches, loop)
+
+
+def distill(student, student_config: ModelConfig, teacher, teacher_config: ModelConfig,
+            batches, steps: int, loop: LoopOptions, *, lr: float = 1e-3, warmup: int = 10,
+            name: str = "distill"):
+  """Trains a fixed `student` to match the frozen `teacher` (forward KL at T = 1)."""
+  def loss_fn(p, x, teacher):
+    t = jax.lax.stop_gradient(apply(teacher, x[:, :-1], config=teacher_config))
+    return forward_kl(t, apply(p, x[:, :-1], config=student_config)), {}
+  teacher = commit(teacher)
+  return _run(name, loss_fn, student, adamw(lr, steps, warmup), steps, batches, loop,
+              lambda i, x: (teacher,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticSchedule:
+  """Which budget each step trains (METHOD.md section 5), a pure function of (seed, step)."""
+  n_budgets: int
+  stage1_steps: int
+  stage2_steps: int
+  p_full: float = 0.33
+  stage2_probs: Sequence[float] = (0.5, 0.3, 0.2)
+  seed: int = 0
+
+  @property
+  def total(self) -> int:
+    return self.stage1_steps + self.stage2_steps
+
+  def stage(self, step: int) -> int:
+    return 1 if step <= self.stage1_steps else 2
+
+  def budget(self, step: int) -> int:
+    """Index into the config's budgets: stage 1 full with p_full else uniform over the rest;
+    stage 2 with `stage2_probs` (large to small, renormalised to the budgets there are)."""
+    rng = np.random.default_rng([self.seed, step])
+    n = self.n_budgets
+    if n == 1:
+      return 0
+    if self.stage(step) == 1:
+      return 0 if rng.random() < self.p_full else int(rng.integers(1, n))
+    p = np.resize(np.asarray(self.stage2_probs, float), n)[:n]
+    return int(rng.choice(n, p=p / p.sum()))
+
+
+def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.RouterConfig,
+            schedule: ElasticSchedule, stage_batches: dict, loop: LoopOptions, *,
+            lr: float = 1e-3, router_lr: float = 1e-2, warmup: int = 10,
+            budget_weight: float = 1.0, hard_prob: float = 0.004, seed: int = 0):
+  """Elastic KD of the nested `params` (student, initialised from the parent) against the frozen
+  `teacher`. `stage_batches` = {1: stage-1 iterator, 2: stage-2 iterator}. Returns
+  (params, router_params)."""
+  total = schedule.total
+  fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
+  n = len(config.budgets)
+
+  def loss_fn(state, x, teacher, b, step, key):
+    x = x[:, :-1]  # KD needs no shifted targets; the row's inputs, as in the other phases
+    t = jax.lax.stop_gradient(apply(teacher, x, config=config))
+    return elastic_loss(state["model"], state["router"], t, x, jax.nn.one_hot(b, n),
+                        fractions[b], step, total, key, config=config, rc=rc,
+                        budget_weight=budget_weight, hard_prob=hard_prob)
+
+  base_key = jax.random.PRNGKey(seed)
+  teacher = commit(teacher)
+  args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),
+                       jax.random.fold_in(base_key, i))
+  opt = router_lib.make_optimizer(total, lr, router_lr, warmup_steps=warmup)
+  names = config.budget_names
+  state = _run("elastic", loss_fn, {"model": params, "router": router_params},
+               opt, total, lambda i: stage_batches[schedule.stage(i)], loop, args,
+               describe=lambda i: f"stage {schedule.stage(i)} budget {names[schedule.budget(i)]}",
+               iterators={f"stage{k}": v for k, v in stage_batches.items()})
+  return state["model"], state["router"]

@@ -1,0 +1,147 @@
+"""The steps of the main job, reusable by experiments: data, the nested parent, the elastic family.
+
+Everything lives in one run directory: tokenizer.json, metrics.jsonl, tb/ (TensorBoard),
+checkpoints/<phase>/ (Orbax CheckpointManager per phase), parent/ (the nested teacher) and
+nested/ (the trained family). Each step resumes from what the directory already holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import jax
+
+from elastic_jax import checkpoint, data, phases
+from elastic_jax import router as router_lib
+from elastic_jax.config import CHOICE_FIELDS, ModelConfig
+from elastic_jax.importance import compute_importance
+from elastic_jax.metrics import MetricsWriter
+from elastic_jax.model.model import init
+from elastic_jax.nesting import nest
+
+
+@dataclasses.dataclass
+class Run:
+  """One run directory and its ml_collections config (see configs/training.py)."""
+  config: object          # ml_collections.ConfigDict
+  workdir: str
+
+  def __post_init__(self):
+    self.workdir = os.path.abspath(self.workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.writer = MetricsWriter(self.workdir)
+
+  @property
+  def tokenizer_path(self) -> str:
+    return os.path.join(self.workdir, "tokenizer.json")
+
+  def loop(self, phase: str) -> phases.LoopOptions:
+    c = self.config
+    return phases.LoopOptions(os.path.join(self.workdir, "checkpoints", phase), self.writer,
+                              c.log_every, c.checkpoint.save_every, c.checkpoint.keep)
+
+  @property
+  def seq_lens(self) -> tuple[int, int]:
+    L1 = self.config.data.seq_len
+    return L1, L1 * self.config.elastic.stage2_len_mult
+
+
+def model_config(run: Run, hf_dir: str | None = None):
+  """(ModelConfig, HF params or None): the config's model, or the shapes of a local HF parent
+  with the config's elastic choices and budgets."""
+  cfg = ModelConfig.from_dict(run.config.model.to_dict())
+  if not hf_dir:
+    return cfg, None
+  from elastic_jax import hf
+  elastic = {f: getattr(cfg, f) for f, _ in CHOICE_FIELDS.values()}
+  return hf.load_pretrained(hf_dir, budgets=cfg.budgets, **elastic)
+
+
+def load_data(run: Run, cfg: ModelConfig, data_files: Sequence[str] = ()) -> data.TrainingData:
+  """The embedded corpus (or local files), tokenizer and packed rows at both stage lengths."""
+  c = run.config
+  docs = (data.local_corpus(data_files) if data_files else
+          data.default_corpus(c.data.n_text, c.data.n_reasoning, c.seed,
+                              tuple(c.data.reasoning_sources), tuple(c.data.reasoning_weights)))
+  td = data.prepare(docs, cfg.vocab_size, run.seq_lens, run.tokenizer_path,
+                    min_val_rows=c.data.batch)
+  print(f"data: {len(docs):,} docs, {td.rows[run.seq_lens[0]].size:,} training tokens, "
+        f"{td.val.size:,} validation tokens, vocab {td.tokenizer.get_vocab_size()}", flush=True)
+  return td
+
+
+def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=None):
+  """(a) + (b): the parent (pretrained here unless given), ranked and nested; saved to parent/
+  and loaded from there on re-runs."""
+  c, path = run.config, os.path.join(run.workdir, "parent")
+  if os.path.isdir(path):
+    teacher, _ = checkpoint.restore(path, expected_config=cfg)
+    print(f"parent: loaded the nested parent from {path}", flush=True)
+    return teacher
+  L1, B = run.seq_lens[0], c.data.batch
+  params = hf_params
+  if params is None:
+    params = phases.pretrain(init(cfg, jax.random.PRNGKey(c.seed)), cfg,
+                             td.iterator(L1, B, c.seed), c.pretrain.steps, run.loop("pretrain"),
+                             lr=c.pretrain.lr, warmup=c.pretrain.warmup)
+  calib_it = td.iterator(L1, B, c.seed + 2)
+  calib = [next(calib_it)[:, :-1] for _ in range(c.elastic.calib_batches)]
+  teacher = nest(params, cfg, compute_importance(params, cfg, calib))
+  checkpoint.save(path, teacher, cfg, tokenizer=run.tokenizer_path, overwrite=True)
+  print(f"parent: ranked and nested, saved to {path}", flush=True)
+  return teacher
+
+
+def router_config(run: Run, total_steps: int) -> router_lib.RouterConfig:
+  """RouterConfig from the run config; tau decays to tau_min at `tau_anneal_frac` of training."""
+  r = run.config.router
+  anneal = max(1, int(r.tau_anneal_frac * total_steps))
+  return router_lib.RouterConfig(hidden=r.hidden, per_layer=tuple(r.per_layer),
+                                 scale_end=r.scale_end, tau_min=r.tau_min,
+                                 tau_decay=r.tau_min ** (1.0 / anneal), band=r.band,
+                                 anchor_weight=r.anchor_weight)
+
+
+@dataclasses.dataclass
+class Family:
+  """The trained nested family: params, router and the router's counts per budget."""
+  params: dict
+  router: dict
+  router_config: router_lib.RouterConfig
+  budget_counts: dict
+  schedule: phases.ElasticSchedule
+
+  def tokens(self, run: Run) -> int:
+    """Student tokens the elastic phase consumed (both stages)."""
+    L1, L2 = run.seq_lens
+    B = run.config.data.batch
+    return B * (self.schedule.stage1_steps * L1 + self.schedule.stage2_steps * L2)
+
+
+def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -> Family:
+  """(c) + (d): elastic KD of the whole family from the nested parent, then one nested
+  checkpoint (params + router + the router's counts per budget) in nested/."""
+  c, e = run.config, run.config.elastic
+  schedule = phases.ElasticSchedule(len(cfg.budgets), e.stage1_steps, e.stage2_steps, e.p_full,
+                                    tuple(e.stage2_probs), c.seed)
+  rc = router_config(run, schedule.total)
+  L1, L2 = run.seq_lens
+  B = c.data.batch
+  params, router = phases.elastic(
+      teacher, teacher, cfg, router_lib.init(cfg, rc, jax.random.PRNGKey(c.seed + 1)), rc,
+      schedule, {1: td.iterator(L1, B, c.seed + 1), 2: td.iterator(L2, B, c.seed + 3)},
+      run.loop("elastic"), lr=e.lr, router_lr=e.router_lr, warmup=e.warmup,
+      budget_weight=e.budget_weight, hard_prob=e.hard_prob, seed=c.seed)
+  counts = {n: router_lib.chosen_counts(router, cfg, rc, n) for n in cfg.budget_names}
+  checkpoint.save(os.path.join(run.workdir, "nested"), params, cfg, router=router,
+                  budget_counts=counts, tokenizer=run.tokenizer_path,
+                  extra={"router_config": dataclasses.asdict(rc)}, overwrite=True)
+  return Family(params, router, rc, counts, schedule)
+
+
+def held_out(run: Run) -> list[dict]:
+  """Reasoning items for evaluation, from a seed the corpus does not use."""
+  ev = run.config.eval
+  return data.reasoning_examples(ev.n_reasoning, seed=run.config.seed + 1000,
+                                 sources=tuple(ev.sources))
