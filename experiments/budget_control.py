@@ -138,7 +138,7 @@ def _report(rows, out, checkpoint, n_items, max_answer_tokens):
             for k in ("standard", "elastic", "transplant")}
   lines = [f"Budget control on {checkpoint}: {n_items} held-out items, answer cap "
            f"{max_answer_tokens} tokens, batch 1, sliced models, latency = mean wall-clock "
-           "seconds per item on this machine.", "",
+           "milliseconds per item on this machine.", "",
            "| control | think -> answer | think cap | accuracy | latency (ms) | think tokens | "
            "capped | first-logit cosine vs re-prefill | top-1 agree |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
