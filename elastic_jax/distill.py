@@ -35,7 +35,7 @@ def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction
   probs, router_probs = {}, {}
   for (name, lg), k in zip(logits.items(), jax.random.split(k_sample, len(logits))):
     soft = router_lib.gumbel_softmax(lg * scale, tau, k)
-    st = router_lib.gumbel_softmax(lg * scale, tau, k, hard=True)
+    st = router_lib.straight_through(soft)  # = gumbel_softmax(..., hard=True), same sample
     probs[name] = jnp.where(hard, st, soft)
     router_probs[name] = jax.nn.softmax(lg * scale, -1)
   masks = router_lib.masks_from_probs(probs, config, "soft")

@@ -1,7 +1,6 @@
 """The main job on the tiny default: every phase, the checkpoint, the table, and exact resume
 after SIGKILL (mid-pretraining and mid-elastic), compared step by step with an uninterrupted run.
 """
-import json
 import os
 import shutil
 import signal
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 from elastic_jax import checkpoint
+from elastic_jax.metrics import MetricsWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,8 +30,7 @@ def _cmd(workdir):
 def _curve(workdir):
   """{(phase, step): loss} of the training phases."""
   out = {}
-  for line in open(os.path.join(workdir, "metrics.jsonl")):
-    r = json.loads(line)
+  for r in MetricsWriter(workdir, tensorboard=False).read():
     if r["phase"] in ("pretrain", "elastic"):
       assert (r["phase"], r["step"]) not in out, f"duplicate record {r}"
       out[(r["phase"], r["step"])] = r["loss"]
@@ -64,7 +63,7 @@ def test_pipeline_end_to_end(reference):
   workdir, out = reference
   assert "| budget | target |" in out and "| small | 0.56 |" in out
   assert "tok/s" in out and "eta" in out
-  records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  records = MetricsWriter(workdir, tensorboard=False).read()
   assert {r["phase"] for r in records} == {"pretrain", "elastic", "report"}
   report = [r for r in records if r["phase"] == "report"]
   assert [r["budget"] for r in report] == ["full", "medium", "small"]
