@@ -38,7 +38,8 @@ def parse_budget(text: str | None):
 
 
 def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False) -> str:
-  from elastic_jax import checkpoint, count_params, hf
+  from elastic_jax import count_params
+  from elastic_jax.io import checkpoint, hf
 
   t0 = time.perf_counter()
   before = checkpoint.bytes_read()

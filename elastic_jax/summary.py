@@ -23,8 +23,9 @@ def main(argv):
   import jax.numpy as jnp
 
   from configs import model_config
-  from elastic_jax import apply, count_params, from_counts, hf, init
-  from elastic_jax.axes import AXES
+  from elastic_jax import apply, count_params, from_counts, init
+  from elastic_jax.io import hf
+  from elastic_jax.elastic.axes import AXES
 
   if FLAGS.hf_dir:
     cfg, params = hf.load_pretrained(FLAGS.hf_dir)

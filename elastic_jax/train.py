@@ -5,7 +5,7 @@ checkpoint -> per-budget report.
   python -m elastic_jax.train --config.elastic.stage1_steps=300 # any config field by flag
   python -m elastic_jax.train --config=configs/nano_v3.py --hf_dir=/local/nemotron_h
 
-The run lives in --workdir (see `elastic_jax.pipeline`). Re-running the same command resumes
+The run lives in --workdir (see `elastic_jax.training.pipeline`). Re-running the same command resumes
 where it stopped: a finished phase is skipped, an interrupted one continues from its last
 checkpoint and repeats the uninterrupted run exactly.
 """
@@ -32,7 +32,7 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.ERROR)  # Orbax logs per chunk and per save
 
-  from elastic_jax import evaluate, pipeline
+  from elastic_jax.training import evaluate, pipeline
 
   t_start = time.perf_counter()
   run = pipeline.Run(_CONFIG.value, FLAGS.workdir)

@@ -59,8 +59,8 @@ def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None, se
   row per configuration."""
   import numpy as np
 
-  from elastic_jax import budget_control as bc
-  from elastic_jax import data
+  from elastic_jax.inference import budget_control as bc
+  from elastic_jax.training import data
 
   preset = QUICK if quick else FULL
   n = n or preset["n"]

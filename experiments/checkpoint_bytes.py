@@ -27,7 +27,8 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.WARNING)
 
-  from elastic_jax import checkpoint, count_params, init
+  from elastic_jax import count_params, init
+  from elastic_jax.io import checkpoint
   from scaled import paper_like_budgets, scaled_config
 
   cfg = scaled_config(FLAGS.reduced)

@@ -24,7 +24,7 @@ def _time_prefill_decode(pre, dec, prompts, max_len: int, chunk: int, new_tokens
   """Seconds for one prefill (slice `pre`) and for decoding `new_tokens` after it (`dec`)."""
   import jax
 
-  from elastic_jax import generate as G
+  from elastic_jax.inference import generate as G
   t0 = time.perf_counter()
   s = G.prefill(pre, prompts, max_len=max_len, chunk=chunk)
   jax.block_until_ready(s.logits)
@@ -42,7 +42,7 @@ def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int
   import numpy as np
 
   from elastic_jax import count_params
-  from elastic_jax import generate as G
+  from elastic_jax.inference import generate as G
   from scaled import paper_like_budgets, random_params, scaled_config
 
   cfg = scaled_config(reduced=quick).replace(param_dtype="float32", compute_dtype="float32")

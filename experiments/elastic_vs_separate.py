@@ -57,8 +57,9 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   import jax
 
-  from elastic_jax import count_params, evaluate, init, phases, pipeline
-  from elastic_jax.slicing import slice_params
+  from elastic_jax import count_params, init
+  from elastic_jax.training import evaluate, phases, pipeline
+  from elastic_jax.elastic.slicing import slice_params
 
   config = _CONFIG.value
   if FLAGS.quick:

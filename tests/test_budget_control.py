@@ -10,10 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from elastic_jax import budget_control as bc
-from elastic_jax import checkpoint, from_counts
-from elastic_jax import generate as G
-from elastic_jax.data import train_tokenizer
+from elastic_jax.inference import budget_control as bc
+from elastic_jax import from_counts
+from elastic_jax.io import checkpoint
+from elastic_jax.inference import generate as G
+from elastic_jax.training.data import train_tokenizer
 from test_generate import CHUNK, MAX_LEN, SMALL, _toks, naive_greedy
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

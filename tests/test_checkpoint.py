@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from elastic_jax import apply, checkpoint, from_counts
-from elastic_jax.checkpoint import CheckpointError
+from elastic_jax import apply, from_counts
+from elastic_jax.io import checkpoint
+from elastic_jax.io.checkpoint import CheckpointError
 
 SMALL = {"hidden": 16, "mamba_heads": (2, 8), "moe_experts": 4, "moe_ffn": 8}
 

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from elastic_jax import data
+from elastic_jax.training import data
 
 
 @pytest.fixture(scope="module")

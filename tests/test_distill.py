@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from elastic_jax import apply
-from elastic_jax import router as R
-from elastic_jax.distill import elastic_loss, forward_kl
-from elastic_jax.slicing import slice_params
+from elastic_jax.elastic import router as R
+from elastic_jax.training.distill import elastic_loss, forward_kl
+from elastic_jax.elastic.slicing import slice_params
 
 
 def test_forward_kl_reference():

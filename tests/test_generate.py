@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from elastic_jax import apply, from_counts
-from elastic_jax import generate as G
+from elastic_jax.inference import generate as G
 from elastic_jax.model.model import init_cache
 
 SMALL = {"hidden": 24, "mamba_heads": 4, "moe_experts": 6, "moe_ffn": 12}

@@ -15,8 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from elastic_jax import apply, hf  # noqa: E402
-from elastic_jax import safetensors_io as st  # noqa: E402
+from elastic_jax import apply  # noqa: E402
+from elastic_jax.io import hf
+from elastic_jax.io import safetensors_io as st  # noqa: E402
 
 
 def _hf_model(cfg, seed=0):
@@ -124,7 +125,8 @@ def test_bad_checkpoints(cfg, hf_folder, tmp_path):
 
 def test_sliced_export_via_cli(cfg, params, tokens, tmp_path):
   """Nested checkpoint -> `python -m elastic_jax.slice` (hf and orbax) -> same logits."""
-  from elastic_jax import checkpoint, from_counts
+  from elastic_jax import from_counts
+  from elastic_jax.io import checkpoint
   from elastic_jax.slice import parse_budget, run
 
   c = cfg.replace(**_overrides(cfg))

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax import data
-from elastic_jax.loop import check_finite, run_phase
-from elastic_jax.metrics import MetricsWriter
+from elastic_jax.training import data
+from elastic_jax.training.loop import check_finite, run_phase
+from elastic_jax.training.metrics import MetricsWriter
 
 
 def _events(logdir):

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from elastic_jax import BudgetMasks, apply, from_counts
-from elastic_jax.masks import prefix_mask
+from elastic_jax.elastic.masks import prefix_mask
 from elastic_jax.model.norms import gated_group_rms_norm, rms_norm
 
 
 def hand_slice(params, cfg, d, heads, experts, ffn):
-  """Prefix-slices every tensor by name, written out independently of `elastic_jax.axes`."""
+  """Prefix-slices every tensor by name, written out independently of `elastic_jax.elastic.axes`."""
   p = jax.tree_util.tree_map(np.asarray, params)
   hg = heads // cfg.mamba_n_groups
   layers = []

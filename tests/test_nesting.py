@@ -8,10 +8,10 @@ import optax
 import pytest
 
 from elastic_jax import apply
-from elastic_jax.importance import compute_importance, accumulate
+from elastic_jax.elastic.importance import compute_importance, accumulate
 from elastic_jax.model import moe as moe_lib
-from elastic_jax.nesting import nest, permute_params
-from elastic_jax.slicing import slice_params
+from elastic_jax.elastic.nesting import nest, permute_params
+from elastic_jax.elastic.slicing import slice_params
 
 # One budget per axis and a combined one (measured: combined 3.68 unranked vs 1.50 ranked).
 BUDGETS = [{"hidden": 24}, {"mamba_heads": 4}, {"moe_experts": 4}, {"moe_ffn": 8},

@@ -5,7 +5,7 @@ import pytest
 
 from configs import model_config
 from elastic_jax import count_params, init, param_shapes
-from elastic_jax.params_count import count_leaves
+from elastic_jax.elastic.params_count import count_leaves
 from test_masks import hand_slice
 
 
@@ -66,7 +66,7 @@ def test_differentiable_in_expected_sizes(cfg):
 
 
 def test_memory_counter(cfg):
-  from elastic_jax.params_count import count_memory
+  from elastic_jax.elastic.params_count import count_memory
   w = count_params(cfg).total
   assert count_memory(cfg, weight_format="nvfp4", seq_len=0, batch=0) == w * 0.5625
   # One attention layer, 2 KV heads x 8; two Mamba layers of 8 heads x 4, state 8, 2 groups.

@@ -6,10 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from elastic_jax import count_params, data, phases
-from elastic_jax import router as R
-from elastic_jax.metrics import MetricsWriter
-from elastic_jax.slicing import slice_params
+from elastic_jax import count_params
+from elastic_jax.training import data, phases
+from elastic_jax.elastic import router as R
+from elastic_jax.training.metrics import MetricsWriter
+from elastic_jax.elastic.slicing import slice_params
 
 
 def test_schedule_is_a_function_of_step():

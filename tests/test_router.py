@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from elastic_jax import apply, count_params, from_counts
-from elastic_jax import router as R
+from elastic_jax.elastic import router as R
 
 RC = R.RouterConfig(hidden=16, per_layer=("moe_experts",))
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from elastic_jax import apply, count_params, from_counts
-from elastic_jax.params_count import count_leaves
-from elastic_jax.slicing import slice_params
+from elastic_jax.elastic.params_count import count_leaves
+from elastic_jax.elastic.slicing import slice_params
 from test_masks import hand_slice
 
 COUNTS = [

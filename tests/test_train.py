@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from elastic_jax import checkpoint
-from elastic_jax.metrics import MetricsWriter
+from elastic_jax.io import checkpoint
+from elastic_jax.training.metrics import MetricsWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.masks import BudgetMasks
+from elastic_jax.model.budget_masks import BudgetMasks
 from elastic_jax.model import attention as attn_lib
 from elastic_jax.model import init_utils as iu
 from elastic_jax.model import mamba2 as mamba_lib

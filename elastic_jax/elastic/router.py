@@ -16,10 +16,10 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.axes import AXES
+from elastic_jax.elastic.axes import AXES
 from elastic_jax.config import ModelConfig
-from elastic_jax.masks import BudgetMasks, axis_mask_shape
-from elastic_jax.params_count import count_memory, count_params
+from elastic_jax.elastic.masks import BudgetMasks, axis_mask_shape
+from elastic_jax.elastic.params_count import count_memory, count_params
 
 
 @dataclasses.dataclass(frozen=True)

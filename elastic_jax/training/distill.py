@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from elastic_jax import router as router_lib
+from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import ModelConfig
 from elastic_jax.model.model import apply
 

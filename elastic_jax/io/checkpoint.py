@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from elastic_jax.axes import AXES, normalize_counts
+from elastic_jax.elastic.axes import AXES, normalize_counts
 from elastic_jax.config import ModelConfig
 from elastic_jax.model.model import param_shapes
-from elastic_jax.slicing import sliced_config
+from elastic_jax.elastic.slicing import sliced_config
 
 FORMAT = "elastic-jax-nested-v1"
 # Each leaf is split into about CHUNKS_PER_LEAF chunks (bounded in bytes): fine enough that a

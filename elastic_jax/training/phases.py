@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_jax import router as router_lib
+from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import ModelConfig
-from elastic_jax.distill import elastic_loss, forward_kl
-from elastic_jax.loop import commit, run_phase
+from elastic_jax.training.distill import elastic_loss, forward_kl
+from elastic_jax.training.loop import commit, run_phase
 from elastic_jax.model.model import apply
 
 

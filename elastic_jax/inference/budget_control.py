@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from elastic_jax import checkpoint
-from elastic_jax import generate as gen
+from elastic_jax.io import checkpoint
+from elastic_jax.inference import generate as gen
 from elastic_jax.config import ModelConfig
-from elastic_jax.generate import (Sampler, Slice, decode, feed, parent_at_budget, prefill,
+from elastic_jax.inference.generate import (Sampler, Slice, decode, feed, parent_at_budget, prefill,
                                   round_up, sliced, stop_rule)
 
 MODES = ("sliced", "masked")
@@ -38,13 +38,13 @@ def _token_id(tokenizer, text: str) -> int:
 
 def special_ids(tokenizer) -> dict:
   """{"end_think": id, "eos": id}: the keyword arguments `think_then_answer` needs."""
-  from elastic_jax.data import END_THINK, EOS
+  from elastic_jax.training.data import END_THINK, EOS
   return {"end_think": _token_id(tokenizer, END_THINK), "eos": _token_id(tokenizer, EOS)}
 
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
   """Token ids of `<bos>question\n<think>`: the training format up to the trace."""
-  from elastic_jax.data import BOS, THINK
+  from elastic_jax.training.data import BOS, THINK
   return [_token_id(tokenizer, BOS)] + tokenizer.encode(f"{question}\n{THINK}").ids
 
 
@@ -104,7 +104,7 @@ def _tokenizer_path(path: str, meta: dict) -> str:
 def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense") -> Family:
   """Loads the full parent of a nested checkpoint once, with its budget table and tokenizer;
   slices are cut in memory on demand, so switching budget never reloads weights."""
-  from elastic_jax.data import load_tokenizer
+  from elastic_jax.training.data import load_tokenizer
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; allowed: {list(MODES)}")
   meta = checkpoint.load_metadata(path)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.axes import AXES, uses_for, map_param_leaves
+from elastic_jax.elastic.axes import AXES, uses_for, map_param_leaves
 from elastic_jax.config import ModelConfig
-from elastic_jax.importance import Importance
+from elastic_jax.elastic.importance import Importance
 
 
 def orderings(scores: Importance) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model.model import param_shapes
-from elastic_jax import safetensors_io as st
+from elastic_jax.io import safetensors_io as st
 
 _KIND_OF_TYPE = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
                  "moe": "E", "mlp": "-"}

@@ -1,32 +1,16 @@
-"""`BudgetMasks`: per-axis prefix masks, a plain pytree consumed by `model.apply`.
+"""Budget masks from per-axis counts: `from_counts(config, counts) -> BudgetMasks`.
 
-Masks are data, not structure: one compiled forward serves every budget. Per-layer axes carry a
-leading layer dim (the layers of that axis' kind, in order). A field left as None means full size.
-Hard masks are 0/1 prefixes; the router (training) produces soft staircase or probability-scaled
-masks of the same shapes.
+`BudgetMasks` itself (the pytree the model takes) lives in `elastic_jax.model.budget_masks`.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 import jax.numpy as jnp
-from flax import struct
 
-from elastic_jax.axes import AXES, normalize_counts
+from elastic_jax.elastic.axes import AXES, normalize_counts
 from elastic_jax.config import ModelConfig
-
-
-@struct.dataclass
-class BudgetMasks:
-  hidden: Any = None        # [D]
-  mamba_heads: Any = None   # [L_mamba, G, H_per_group]
-  moe_experts: Any = None   # [L_moe, E]
-  moe_ffn: Any = None       # [L_moe, F]
-
-  def layer(self, name: str, j: int):
-    """Mask of axis `name` for the j-th layer of its kind (None if unmasked)."""
-    m = getattr(self, name)
-    return None if m is None else m[j]
+from elastic_jax.model.budget_masks import BudgetMasks  # noqa: F401  (re-exported)
 
 
 def prefix_mask(count, size: int, dtype=jnp.float32):

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import jax
 
-from elastic_jax.axes import AXES, leaf_sizes, map_param_leaves, normalize_counts
+from elastic_jax.elastic.axes import AXES, leaf_sizes, map_param_leaves, normalize_counts
 from elastic_jax.config import CHOICE_FIELDS, PER_LAYER_FIELDS, ModelConfig
 
 

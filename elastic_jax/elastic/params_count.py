@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import jax
 
-from elastic_jax.axes import ROUTED_EXPERT_LEAVES, leaf_sizes, map_param_leaves, normalize_counts
+from elastic_jax.elastic.axes import ROUTED_EXPERT_LEAVES, leaf_sizes, map_param_leaves, normalize_counts
 from elastic_jax.config import ModelConfig
 from elastic_jax.model.model import param_specs
 

@@ -12,13 +12,14 @@ from typing import Sequence
 
 import jax
 
-from elastic_jax import checkpoint, data, phases
-from elastic_jax import router as router_lib
+from elastic_jax.io import checkpoint
+from elastic_jax.training import data, phases
+from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import CHOICE_FIELDS, ModelConfig
-from elastic_jax.importance import compute_importance
-from elastic_jax.metrics import MetricsWriter
+from elastic_jax.elastic.importance import compute_importance
+from elastic_jax.training.metrics import MetricsWriter
 from elastic_jax.model.model import init
-from elastic_jax.nesting import nest
+from elastic_jax.elastic.nesting import nest
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ def model_config(run: Run, hf_dir: str | None = None):
   cfg = ModelConfig.from_dict(run.config.model.to_dict())
   if not hf_dir:
     return cfg, None
-  from elastic_jax import hf
+  from elastic_jax.io import hf
   elastic = {f: getattr(cfg, f) for f, _ in CHOICE_FIELDS.values()}
   return hf.load_pretrained(hf_dir, budgets=cfg.budgets, **elastic)
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from elastic_jax.metrics import MetricsWriter
+from elastic_jax.training.metrics import MetricsWriter
 
 
 def check_finite(value: float, what: str, step: int) -> float:

@@ -8,11 +8,11 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from elastic_jax.axes import AXES
+from elastic_jax.elastic.axes import AXES
 from elastic_jax.config import ModelConfig
-from elastic_jax.params_count import count_params
-from elastic_jax.phases import lm_loss
-from elastic_jax.slicing import slice_params
+from elastic_jax.elastic.params_count import count_params
+from elastic_jax.training.phases import lm_loss
+from elastic_jax.elastic.slicing import slice_params
 
 
 _lm_loss = jax.jit(lm_loss, static_argnums=2)
@@ -33,8 +33,8 @@ def answer_accuracy(params, config: ModelConfig, tokenizer, examples: Sequence[M
                     max_think_tokens: int, max_answer_tokens: int) -> float:
   """Exact match of the generated answer (greedy; think up to the cap, `</think>` forced there,
   then answer) against each example's gold answer."""
-  from elastic_jax import budget_control as bc
-  from elastic_jax.generate import Slice
+  from elastic_jax.inference import budget_control as bc
+  from elastic_jax.inference.generate import Slice
   if not examples:
     return float("nan")
   slc = Slice(params, config)

@@ -1,0 +1,1 @@
+"""Cached generation and elastic budget control."""

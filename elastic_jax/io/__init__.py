@@ -1,0 +1,1 @@
+"""Checkpoints (Orbax, nested prefix restore) and Hugging Face Nemotron-H safetensors interop."""

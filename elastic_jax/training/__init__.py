@@ -1,0 +1,1 @@
+"""Data, distillation losses, the resumable loop, the training phases and evaluation."""
