@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
+REMAT = ("none", "full", "save_dots")
 # Elastic axis name -> (field listing its choices, field holding its full size).
 CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
                  "mamba_heads": ("mamba_head_choices", "mamba_num_heads"),
@@ -65,6 +66,11 @@ class ModelConfig:
   initializer_range: float = 0.02
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
+  # Layer stack: scan one repeating unit of the pattern (compiles once for any depth) where the
+  # pattern has one and the model is homogeneous; else a Python loop. `remat`: recompute each
+  # block in the backward pass ("full"), keep its matmul outputs ("save_dots"), or not ("none").
+  scan_layers: bool = False
+  remat: str = "none"
   # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -202,6 +208,10 @@ class ModelConfig:
     for f in ("param_dtype", "compute_dtype"):
       if getattr(self, f) not in DTYPES:
         err(f, f"{getattr(self, f)!r} not in {DTYPES}")
+    if self.remat not in REMAT:
+      err("remat", f"{self.remat!r} not in {REMAT}")
+    if not isinstance(self.scan_layers, bool):
+      err("scan_layers", f"must be a bool, got {self.scan_layers!r}")
     self._validate_choices(err)
     for axis, per_field in PER_LAYER_FIELDS.items():
       kind, size_field = PER_LAYER_KINDS[axis], CHOICE_FIELDS[axis][1]

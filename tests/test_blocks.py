@@ -8,21 +8,23 @@ import pytest
 from elastic_jax import apply
 from elastic_jax.model import attention as attn_lib
 from elastic_jax.model import mamba2 as mamba_lib
+from elastic_jax.model import mlp as mlp_lib
 from elastic_jax.model import moe as moe_lib
 from elastic_jax.model.norms import gated_group_rms_norm, rms_norm
 
 
 def _layer(params, cfg, kind):
-  return params["layers"][cfg.layer_pattern.index(kind)]["mixer"]
+  return params["layers"][str(cfg.layer_pattern.index(kind))]["mixer"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_block_shapes_and_dtypes(cfg, params, dtype):
   c = cfg.replace(compute_dtype=dtype)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, c.hidden_size))
-  fns = {"M": mamba_lib.mamba2, "*": attn_lib.attention, "E": moe_lib.moe, "-": moe_lib.mlp}
+  fns = {"M": mamba_lib.mamba2, "*": attn_lib.attention, "E": moe_lib.moe, "-": mlp_lib.mlp}
   for kind, fn in fns.items():
-    out = fn(_layer(params, c, kind), x, c)
+    out, aux = fn(_layer(params, c, kind), x, c)
+    assert aux == {"stats": None, "state": None}
     chex.assert_shape(out, x.shape)
     chex.assert_type(out, jnp.dtype(dtype))
     chex.assert_tree_all_finite(out)
@@ -84,10 +86,10 @@ def test_causal_conv_reference():
 def test_mamba_chunked_equals_sequential(cfg, params):
   x = jax.random.normal(jax.random.PRNGKey(2), (2, 11, cfg.hidden_size))
   p = _layer(params, cfg, "M")
-  np.testing.assert_allclose(mamba_lib.mamba2(p, x, cfg), mamba_lib.mamba2(p, x, cfg, scan="sequential"),
-                             rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="scan must be"):
-    mamba_lib.mamba2(p, x, cfg, scan="fast")
+  np.testing.assert_allclose(mamba_lib.mamba2(p, x, cfg)[0],
+                             mamba_lib.mamba2(p, x, cfg, ssd="sequential")[0], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="ssd must be"):
+    mamba_lib.mamba2(p, x, cfg, ssd="fast")
 
 
 def test_attention_reference(cfg, params):
@@ -102,4 +104,5 @@ def test_attention_reference(cfg, params):
     a = np.exp(s - s.max(-1, keepdims=True))
     out[:, h] = (a / a.sum(-1, keepdims=True)) @ v
   ref = np.einsum("thk,hkd->td", out, p["o"])
-  np.testing.assert_allclose(attn_lib.attention(p, jnp.asarray(x), cfg)[0], ref, rtol=1e-4, atol=1e-5)
+  got, _ = attn_lib.attention(p, jnp.asarray(x), cfg)
+  np.testing.assert_allclose(got[0], ref, rtol=1e-4, atol=1e-5)

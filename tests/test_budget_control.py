@@ -120,7 +120,7 @@ def tiny_ckpt(cfg, params, tmp_path_factory):
   tok.save(str(d / "tokenizer.json"))
   ccfg = cfg.replace(vocab_size=288, layer_pattern="M*E")
   rs = np.random.RandomState(0)
-  params = {**params, "layers": params["layers"][:3],
+  params = {**params, "layers": {str(i): params["layers"][str(i)] for i in range(3)},
             "embed": rs.normal(0, 0.2, (288, cfg.hidden_size)).astype(np.float32),
             "lm_head": rs.normal(0, 0.2, (cfg.hidden_size, 288)).astype(np.float32)}
   return checkpoint.save(str(d / "nested"), params, ccfg, tokenizer=str(d / "tokenizer.json"),

@@ -47,7 +47,7 @@ def test_sub_model_restore_reads_prefix_only(cfg, params, tokens, ckpt):
 def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
   with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
     checkpoint.save(ckpt, params, cfg)
-  bad = dict(params, final_norm=np.zeros(3, np.float32))
+  bad = dict(params, final_norm={"scale": np.zeros(3, np.float32)})
   target = str(tmp_path / "c")
   with pytest.raises(CheckpointError, match="final_norm.*shape \\(3,\\)"):
     checkpoint.save(target, bad, cfg)
@@ -101,3 +101,31 @@ def test_slice_cli_subprocess(ckpt, tmp_path):
   r = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={ckpt}",
                       "--budget=huge", f"--out={out}2"], capture_output=True, text=True, timeout=300)
   assert r.returncode != 0 and "unknown budget 'huge'" in r.stderr
+
+
+def test_v1_checkpoint_restores_through_legacy_layout(cfg, params, ckpt, tmp_path):
+  """A checkpoint written by elastic-jax 0.1 (layers as a list, bare norm weights, format v1)
+  restores into the canonical layout, also as a prefix sub-model."""
+  import chex
+  import orbax.checkpoint as ocp
+
+  from elastic_jax.model import layouts
+  legacy = layouts.to_legacy(params)
+  assert isinstance(legacy["layers"], list) and legacy["final_norm"].ndim == 1
+  old = tmp_path / "v1"
+  ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(
+      str(old / "state"), {"params": legacy})
+  meta = checkpoint.load_metadata(ckpt)
+  flat, _ = jax.tree_util.tree_flatten_with_path(legacy)
+  meta.update(format="elastic-jax-nested-v1", has_router=False,
+              leaf_shapes={jax.tree_util.keystr(p): list(x.shape) for p, x in flat})
+  (old / "metadata.json").write_text(json.dumps(meta))
+  restored, _ = checkpoint.restore(str(old))
+  chex.assert_trees_all_equal(restored, jax.tree_util.tree_map(np.asarray, params))
+  small, small_cfg = checkpoint.restore(str(old), "small")
+  ref, _ = checkpoint.restore(ckpt, "small")
+  chex.assert_trees_all_equal(small, ref)
+  meta["format"] = "elastic-jax-nested-v0"
+  (old / "metadata.json").write_text(json.dumps(meta))
+  with pytest.raises(CheckpointError, match="format 'elastic-jax-nested-v0', expected"):
+    checkpoint.restore(str(old))

@@ -13,8 +13,9 @@ def hand_slice(params, cfg, d, heads, experts, ffn):
   """Prefix-slices every tensor by name, written out independently of `elastic_jax.elastic.axes`."""
   p = jax.tree_util.tree_map(np.asarray, params)
   hg = heads // cfg.mamba_n_groups
-  layers = []
-  for kind, layer in zip(cfg.layer_pattern, p["layers"]):
+  layers = {}
+  for i, kind in enumerate(cfg.layer_pattern):
+    layer = p["layers"][str(i)]
     m = layer["mixer"]
     if kind == "M":
       m = {"in_z": m["in_z"][:d, :, :hg], "in_x": m["in_x"][:d, :, :hg], "in_B": m["in_B"][:d],
@@ -31,8 +32,9 @@ def hand_slice(params, cfg, d, heads, experts, ffn):
            "shared_up": m["shared_up"][:d], "shared_down": m["shared_down"][:, :d]}
     else:
       m = {"up": m["up"][:d], "down": m["down"][:, :d]}
-    layers.append({"norm": layer["norm"][:d], "mixer": m})
-  small = {"embed": p["embed"][:, :d], "layers": layers, "final_norm": p["final_norm"][:d],
+    layers[str(i)] = {"norm": {"scale": layer["norm"]["scale"][:d]}, "mixer": m}
+  small = {"embed": p["embed"][:, :d], "layers": layers,
+           "final_norm": {"scale": p["final_norm"]["scale"][:d]},
            "lm_head": p["lm_head"][:d]}
   small_cfg = cfg.replace(hidden_size=d, mamba_num_heads=heads, n_routed_experts=experts,
                           moe_intermediate_size=ffn, hidden_choices=(), mamba_head_choices=(),
@@ -62,7 +64,7 @@ def test_per_layer_counts_match_weight_surgery(cfg, params, tokens):
   moe_layers = cfg.layers_of("E")
   masks = from_counts(cfg, {"moe_experts": (4, 8), "moe_ffn": (16, 8)})
   p = jax.tree_util.tree_map(np.array, params)
-  first, second = (p["layers"][i]["mixer"] for i in moe_layers)
+  first, second = (p["layers"][str(i)]["mixer"] for i in moe_layers)
   first["router_bias"][4:] = -1e9
   second["up"][:, :, 8:] = 0.0
   np.testing.assert_allclose(apply(params, tokens, masks, config=cfg),

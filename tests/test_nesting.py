@@ -109,9 +109,10 @@ def test_importance_shapes_and_streaming(cfg, params):
 
 def test_reap_and_ffn_reference(cfg, params):
   """REAP / ModelOpt / FFN statistics vs an explicit per-token numpy loop."""
-  p = jax.tree_util.tree_map(np.asarray, params["layers"][cfg.layer_pattern.index("E")]["mixer"])
+  p = jax.tree_util.tree_map(np.asarray, params["layers"][str(cfg.layer_pattern.index("E"))]["mixer"])
   x = np.random.RandomState(0).randn(2, 5, cfg.hidden_size).astype(np.float32)
-  _, st = moe_lib.moe(p, jnp.asarray(x), cfg, collect=True)
+  _, aux = moe_lib.moe(p, jnp.asarray(x), cfg, collect=True)
+  st = aux["stats"]
   gates, idx = (np.asarray(a) for a in moe_lib.route(p, jnp.asarray(x.reshape(10, -1)), cfg))
   E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
   reap, norm, count, ffn = np.zeros(E), np.zeros(E), np.zeros(E), np.zeros(F)

@@ -29,6 +29,7 @@ class Use:
 class Axis:
   name: str
   layer_kind: str | None  # None: one count for the whole model; else per layer of this kind
+  logical: str            # the logical axis name the modules declare on the touched dims
   uses: tuple[Use, ...]
 
   @property
@@ -64,9 +65,9 @@ def _u(kind, path, dim):
 
 
 AXES: dict[str, Axis] = {a.name: a for a in (
-    Axis("hidden", None, (
-        _u("global", "embed", 1), _u("global", "final_norm", 0), _u("global", "lm_head", 0),
-        _u("all", "norm", 0),
+    Axis("hidden", None, "embed", (
+        _u("global", "embed", 1), _u("global", "final_norm.scale", 0), _u("global", "lm_head", 0),
+        _u("all", "norm.scale", 0),
         _u("M", "mixer.in_z", 0), _u("M", "mixer.in_x", 0), _u("M", "mixer.in_B", 0),
         _u("M", "mixer.in_C", 0), _u("M", "mixer.in_dt", 0), _u("M", "mixer.out_proj", 3),
         _u("*", "mixer.q", 0), _u("*", "mixer.k", 0), _u("*", "mixer.v", 0), _u("*", "mixer.o", 2),
@@ -74,17 +75,17 @@ AXES: dict[str, Axis] = {a.name: a for a in (
         _u("E", "mixer.shared_up", 0), _u("E", "mixer.shared_down", 1),
         _u("-", "mixer.up", 0), _u("-", "mixer.down", 1),
     )),
-    Axis("mamba_heads", "M", (
+    Axis("mamba_heads", "M", "mamba_heads", (
         _u("M", "mixer.in_z", 2), _u("M", "mixer.in_x", 2), _u("M", "mixer.in_dt", 2),
         _u("M", "mixer.conv_x", 2), _u("M", "mixer.conv_x_bias", 1), _u("M", "mixer.dt_bias", 1),
         _u("M", "mixer.A_log", 1), _u("M", "mixer.D", 1), _u("M", "mixer.norm", 1),
         _u("M", "mixer.out_proj", 1),
     )),
-    Axis("moe_experts", "E", (
+    Axis("moe_experts", "E", "experts", (
         _u("E", "mixer.router", 1), _u("E", "mixer.router_bias", 0),
         _u("E", "mixer.up", 0), _u("E", "mixer.down", 0),
     )),
-    Axis("moe_ffn", "E", (
+    Axis("moe_ffn", "E", "expert_mlp", (
         _u("E", "mixer.up", 2), _u("E", "mixer.down", 1),
     )),
 )}
@@ -175,7 +176,7 @@ def uses_for(kind_of_leaf: str, path: tuple[str, ...]):
 
 
 def map_param_leaves(config: ModelConfig, tree, fn):
-  """Rebuilds a params-shaped tree with fn(kind, layer, path, leaf) on every leaf.
+  """Rebuilds a (canonical) params-shaped tree with fn(kind, layer, path, leaf) on every leaf.
 
   `kind` is "global" (layer None) or the layer's pattern char; `path` is a tuple of dict keys
   relative to the root (global) or to the layer dict. Non-dict values are leaves.
@@ -186,8 +187,8 @@ def map_param_leaves(config: ModelConfig, tree, fn):
     return fn(kind, layer, prefix, node)
 
   out = {k: rec(v, "global", None, (k,)) for k, v in tree.items() if k != "layers"}
-  out["layers"] = [rec(layer, config.layer_pattern[i], i, ())
-                   for i, layer in enumerate(tree["layers"])]
+  out["layers"] = {str(i): rec(tree["layers"][str(i)], kind, i, ())
+                   for i, kind in enumerate(config.layer_pattern)}
   return out
 
 

@@ -1,6 +1,6 @@
 """Exact parameter counter: total and active parameters for any per-axis counts.
 
-Driven by the same leaf table as `init` (`model.param_specs`) and the axis description
+Driven by the modules' declared shapes (`model.param_shapes`) and the axis description
 (`axes.AXES`): each leaf's size is the product of its dims with every axis-touched dim replaced
 by that axis' count. Routed-expert stacks count `num_experts_per_tok` experts as active; the
 router, its bias and the shared expert are always active. Counts may be Python ints (exact) or
@@ -14,9 +14,10 @@ from typing import Any, Mapping
 
 import jax
 
-from elastic_jax.elastic.axes import ROUTED_EXPERT_LEAVES, leaf_sizes, map_param_leaves, normalize_counts
 from elastic_jax.config import ModelConfig
-from elastic_jax.model.model import param_specs
+from elastic_jax.elastic.axes import (ROUTED_EXPERT_LEAVES, leaf_sizes, map_param_leaves,
+                                      normalize_counts)
+from elastic_jax.model.model import param_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ def count_params(config: ModelConfig, counts: Mapping[str, Any] | None = None,
       size = math.prod(dims)
     totals["active"] = totals["active"] + size
 
-  map_param_leaves(config, param_specs(config), visit)
+  map_param_leaves(config, param_shapes(config), visit)
   return ParamCount(**totals)
 
 

@@ -19,12 +19,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from elastic_jax.elastic.axes import AXES, normalize_counts
 from elastic_jax.config import ModelConfig
-from elastic_jax.model.model import param_shapes
+from elastic_jax.elastic.axes import AXES, normalize_counts
 from elastic_jax.elastic.slicing import sliced_config
+from elastic_jax.model import layouts
+from elastic_jax.model.model import param_shapes
 
-FORMAT = "elastic-jax-nested-v1"
+FORMAT = "elastic-jax-nested-v2"
+# v1 (elastic-jax 0.1): layers as a list and bare norm weights; restored through `layouts`.
+LEGACY_FORMATS = ("elastic-jax-nested-v1",)
 # Each leaf is split into about CHUNKS_PER_LEAF chunks (bounded in bytes): fine enough that a
 # prefix restore reads close to its share, coarse enough to keep the file count moderate.
 CHUNKS_PER_LEAF = 128
@@ -119,8 +122,9 @@ def load_metadata(path: str) -> dict:
                           "an interrupted save)") from None
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{meta_path}: corrupt JSON ({e})") from None
-  if meta.get("format") != FORMAT:
-    raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+  if meta.get("format") not in (FORMAT,) + LEGACY_FORMATS:
+    raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} (or the "
+                          f"older {list(LEGACY_FORMATS)})")
   return meta
 
 
@@ -157,8 +161,12 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
     raise CheckpointError(f"{path}: config mismatch in fields {diff}")
   counts = resolve_counts(path, budget)
   small = sliced_config(config, counts)
-  stored = load_metadata(path)["leaf_shapes"]
-  want = _flat_shapes(param_shapes(config))
+  meta = load_metadata(path)
+  # A v1 checkpoint stores the 0.1 layout: read it as such, convert after the restore.
+  legacy = meta["format"] in LEGACY_FORMATS
+  layout = layouts.to_legacy if legacy else (lambda tree: tree)
+  stored = meta["leaf_shapes"]
+  want = _flat_shapes(layout(param_shapes(config)))
   for k, shape in want.items():
     if k not in stored:
       raise CheckpointError(f"{path}: checkpoint lacks leaf {k}")
@@ -177,7 +185,7 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
       raise CheckpointError(f"{path}: Orbax state leaf {k} has shape {disk_shapes.get(k)}, "
                             f"expected {shape}")
   sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = param_shapes(small)
+  abstract = layout(param_shapes(small))
   args = jax.tree_util.tree_map(
       lambda s: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sharding,
                                      strict=False), abstract)
@@ -186,7 +194,7 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
                           partial_restore=True)  # the router, if any, is restored separately
   except Exception as e:
     raise CheckpointError(f"{path}: restore failed ({type(e).__name__}: {e})") from None
-  params = state["params"]
+  params = layouts.from_legacy(state["params"]) if legacy else state["params"]
   _check_params(params, small, "restore")
   return params, small
 

@@ -240,7 +240,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
   def has(base):
     return lambda name: base + name in tensors
 
-  layers = []
+  layers = {}
   for i, kind in enumerate(c.layer_pattern):
     base = f"{prefix}layers.{i}."
     mt = getter(base + "mixer.")
@@ -254,9 +254,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
     except ValueError as e:  # a reshape that the config's sizes don't allow
       raise HFFormatError(f"{base}mixer ({kind!r} layer): tensor shapes do not match the "
                           f"config ({e})") from None
-    layers.append({"norm": getter(base)("norm.weight"), "mixer": mixer})
+    layers[str(i)] = {"norm": {"scale": getter(base)("norm.weight")}, "mixer": mixer}
   g = getter(prefix)
-  params = {"embed": g("embeddings.weight"), "layers": layers, "final_norm": g("norm_f.weight"),
+  params = {"embed": g("embeddings.weight"), "layers": layers,
+            "final_norm": {"scale": g("norm_f.weight")},
             "lm_head": getter("")("lm_head.weight").T}
   leftover = sorted(k for k in tensors if k not in used and not k.startswith("mtp."))
   if leftover:
@@ -285,10 +286,12 @@ def params_to_hf(params, c: ModelConfig) -> dict[str, np.ndarray]:
   """HF hub-layout state dict (numpy) for our params."""
   params = jax.tree_util.tree_map(np.asarray, params)
   out = {"backbone.embeddings.weight": params["embed"],
-         "backbone.norm_f.weight": params["final_norm"], "lm_head.weight": params["lm_head"].T}
+         "backbone.norm_f.weight": params["final_norm"]["scale"],
+         "lm_head.weight": params["lm_head"].T}
   conv = {"M": _mamba_to_hf, "*": _attn_to_hf, "E": _moe_to_hf, "-": _mlp_to_hf}
-  for i, (kind, layer) in enumerate(zip(c.layer_pattern, params["layers"])):
-    out[f"backbone.layers.{i}.norm.weight"] = layer["norm"]
+  for i, kind in enumerate(c.layer_pattern):
+    layer = params["layers"][str(i)]
+    out[f"backbone.layers.{i}.norm.weight"] = layer["norm"]["scale"]
     for k, v in conv[kind](layer["mixer"], c).items():
       out[f"backbone.layers.{i}.mixer.{k}"] = v
   return {k: np.ascontiguousarray(v) for k, v in out.items()}

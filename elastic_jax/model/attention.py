@@ -6,21 +6,30 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.model import init_utils as iu
+from elastic_jax.model import initializers as init
 
 
-def param_specs(c: ModelConfig) -> dict:
-  D, Hq, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim
-  lin = iu.normal(c.initializer_range)
-  return {"q": iu.Spec((D, Hq, hd), c.param_dtype, lin),
-          "k": iu.Spec((D, Hkv, hd), c.param_dtype, lin),
-          "v": iu.Spec((D, Hkv, hd), c.param_dtype, lin),
-          "o": iu.Spec((Hq, hd, D), c.param_dtype,
-                       iu.normal(c.initializer_range / math.sqrt(c.num_layers)))}
+class Attention(nn.Module):
+  """GQA self-attention as a module; `__call__` returns (out, aux) like every mixer."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD, *, state=None, pos=None, key_valid_BS=None):
+    c = self.config
+    D, Hq, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim
+    lin = init.normal(c.initializer_range)
+    out = init.normal(c.initializer_range / math.sqrt(c.num_layers))
+    pd, qh, kvh = c.param_dtype, ("q_heads", "head_dim"), ("kv_heads", "head_dim")
+    p = init.declare(self, {"q": ((D, Hq, hd), ("embed",) + qh, lin, pd),
+                            "k": ((D, Hkv, hd), ("embed",) + kvh, lin, pd),
+                            "v": ((D, Hkv, hd), ("embed",) + kvh, lin, pd),
+                            "o": ((Hq, hd, D), qh + ("embed",), out, pd)})
+    return attention(p, x_BTD, c, state, pos, key_valid_BS)
 
 
 def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
@@ -40,9 +49,10 @@ def init_state(c: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
 
 
 def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS=None):
-  """Causal attention. With a KV cache `state` (see `init_state`), the T new tokens go to cache
-  columns [pos, pos + T) and attend to every earlier column marked in `key_valid_BS` (which
-  already covers the new columns); returns (out, new state)."""
+  """Causal attention on params `p`: (out [B,T,D], aux). With a KV cache `state` (see
+  `init_state`), the T new tokens go to cache columns [pos, pos + T) and attend to every earlier
+  column marked in `key_valid_BS` (which already covers the new columns); aux["state"] is then
+  the new cache (else None). aux["stats"] is always None."""
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
   B, T, _ = x_BTD.shape
@@ -64,4 +74,4 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
     mask = mask[:, None, None]
   out = attend(q, k, v, mask).reshape(B, T, c.num_attention_heads, c.head_dim)
   out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
-  return out if state is None else (out, state)
+  return out, {"stats": None, "state": state}

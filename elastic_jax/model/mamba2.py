@@ -8,39 +8,61 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.model import init_utils as iu
+from elastic_jax.model import initializers as init
 from elastic_jax.model.norms import channel_score, gated_group_rms_norm
 from elastic_jax.model.ssd import ssd_chunked, ssd_sequential
 
+SSD_IMPLS = ("chunked", "sequential")
 
-def param_specs(c: ModelConfig) -> dict:
+
+def _declare(m: nn.Module, c: ModelConfig) -> dict:
+  """The mixer's parameters, each with its logical axis names."""
   D, G, H, P, N, K = (c.hidden_size, c.mamba_n_groups, c.mamba_heads_per_group, c.mamba_head_dim,
                       c.ssm_state_size, c.conv_kernel)
   pd = c.param_dtype
-  lin = iu.normal(c.initializer_range)
-  conv = iu.uniform(1.0 / math.sqrt(K))
-  specs = {
-      "in_z": iu.Spec((D, G, H, P), pd, lin), "in_x": iu.Spec((D, G, H, P), pd, lin),
-      "in_B": iu.Spec((D, G, N), pd, lin), "in_C": iu.Spec((D, G, N), pd, lin),
-      "in_dt": iu.Spec((D, G, H), pd, lin),
-      "conv_x": iu.Spec((K, G, H, P), pd, conv), "conv_B": iu.Spec((K, G, N), pd, conv),
-      "conv_C": iu.Spec((K, G, N), pd, conv),
+  lin = init.normal(c.initializer_range)
+  conv = init.uniform(1.0 / math.sqrt(K))
+  heads, state = ("mamba_groups", "mamba_heads"), ("mamba_groups", "ssm_state")
+  chans = heads + ("mamba_head_dim",)
+  table = {
+      "in_z": ((D, G, H, P), ("embed",) + chans, lin, pd),
+      "in_x": ((D, G, H, P), ("embed",) + chans, lin, pd),
+      "in_B": ((D, G, N), ("embed",) + state, lin, pd),
+      "in_C": ((D, G, N), ("embed",) + state, lin, pd),
+      "in_dt": ((D, G, H), ("embed",) + heads, lin, pd),
+      "conv_x": ((K, G, H, P), ("conv",) + chans, conv, pd),
+      "conv_B": ((K, G, N), ("conv",) + state, conv, pd),
+      "conv_C": ((K, G, N), ("conv",) + state, conv, pd),
       # Small SSM parameters stay fp32 (as in the reference implementation).
-      "dt_bias": iu.Spec((G, H), "float32", iu.dt_bias(c.time_step_min, c.time_step_max,
-                                                       c.time_step_floor)),
-      "A_log": iu.Spec((G, H), "float32", iu.a_log),
-      "D": iu.Spec((G, H), "float32", iu.ones),
-      "norm": iu.Spec((G, H, P), pd, iu.ones),
-      "out_proj": iu.Spec((G, H, P, D), pd, iu.normal(c.initializer_range / math.sqrt(c.num_layers))),
+      "dt_bias": ((G, H), heads, init.dt_bias(c.time_step_min, c.time_step_max,
+                                             c.time_step_floor), "float32"),
+      "A_log": ((G, H), heads, init.a_log, "float32"),
+      "D": ((G, H), heads, init.ones, "float32"),
+      "norm": ((G, H, P), chans, init.ones, pd),
+      "out_proj": ((G, H, P, D), chans + ("embed",),
+                   init.normal(c.initializer_range / math.sqrt(c.num_layers)), pd),
   }
   if c.use_conv_bias:
-    specs.update({"conv_x_bias": iu.Spec((G, H, P), pd, conv),
-                  "conv_B_bias": iu.Spec((G, N), pd, conv), "conv_C_bias": iu.Spec((G, N), pd, conv)})
-  return specs
+    table.update({"conv_x_bias": ((G, H, P), chans, conv, pd),
+                  "conv_B_bias": ((G, N), state, conv, pd),
+                  "conv_C_bias": ((G, N), state, conv, pd)})
+  return init.declare(m, table)
+
+
+class Mamba2(nn.Module):
+  """The Mamba-2 mixer as a module; `__call__` returns (out, aux) like every mixer (see `mamba2`)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD, head_mask_GH=None, *, ssd: str = "chunked", collect: bool = False,
+               state=None, valid_BT=None):
+    return mamba2(_declare(self, self.config), x_BTD, self.config, head_mask_GH, ssd=ssd,
+                  collect=collect, state=state, valid_BT=valid_BT)
 
 
 def causal_conv(x_BTC, w_KC, b_C=None, prev_BKC=None, n_pad_B=None):
@@ -79,12 +101,14 @@ def init_state(c: ModelConfig, batch: int, dtype=None) -> dict:
           "ssm": jnp.zeros((batch, G, H, P, N), jnp.float32)}
 
 
-def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunked",
+def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chunked",
            collect: bool = False, state=None, valid_BT=None):
-  """Mamba-2 mixer forward. `head_mask_GH` keeps a prefix of heads in each group.
+  """Mamba-2 mixer forward on params `p`: (out [B,T,D], aux). `head_mask_GH` keeps a prefix of
+  heads in each group.
 
-  With `collect`, also returns {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P].
-  With a decode `state` (see `init_state`), continues from it and returns (out, new state).
+  aux["stats"]: with `collect`, {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P],
+  else None. aux["state"]: with a decode `state` (see `init_state`), the new state after the T
+  tokens, else None.
   `valid_BT` False marks left padding (in each row, False entries precede True ones): padded
   tokens leave the conv and SSM state untouched (dt = 0), so a padded row computes what the
   unpadded one does, also when the padding follows earlier tokens in `state`.
@@ -118,10 +142,10 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunk
     dt = jnp.where(valid_BT[..., None, None], dt, 0.0)
   A = -jnp.exp(p["A_log"].astype(jnp.float32))
   h0 = None if state is None else state["ssm"]
-  if scan not in ("chunked", "sequential"):
-    raise ValueError(f"scan must be 'chunked' or 'sequential', got {scan!r}")
+  if ssd not in SSD_IMPLS:
+    raise ValueError(f"ssd must be one of {SSD_IMPLS}, got {ssd!r}")
   # One decode token is one recurrence step; the chunked form would pad it to a whole chunk.
-  if scan == "chunked" and xs.shape[1] > 1:
+  if ssd == "chunked" and xs.shape[1] > 1:
     y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0)
   else:
     y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0)
@@ -129,9 +153,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, scan: str = "chunk
   y = y + p["D"].astype(jnp.float32)[..., None] * xs.astype(jnp.float32)
   y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, head_mask_GH).astype(dt_)
   out = jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
-  if state is not None:
-    return out, new_state
-  return (out, stats) if collect else out
+  return out, {"stats": stats, "state": None if state is None else new_state}
 
 
 def _opt(p, name, dtype):

@@ -1,64 +1,127 @@
-"""The full hybrid model as pure functions: `init(config, key)` and `apply(params, tokens, masks)`.
+"""The model as functions over plain params: `init`, `apply`, `apply_cached`, `init_cache`,
+`param_shapes`, `logical_axes` (thin wrappers over the `ElasticLM` Flax module).
 
-params = {"embed": [V,D], "layers": [{"norm": [D], "mixer": {...}}, ...], "final_norm": [D],
-          "lm_head": [D,V]}; each layer's mixer follows its pattern char (M * E -).
+Params use the canonical layout (see `lm`): {"embed", "layers": {"0": ..., "L-1": ...},
+"final_norm", "lm_head"}. `apply` runs the stack the config asks for (`scan_layers`, `remat`);
+with a scanned stack the canonical params are stacked per unit slot inside the compiled forward.
 """
 from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.model.budget_masks import BudgetMasks
 from elastic_jax.model import attention as attn_lib
-from elastic_jax.model import init_utils as iu
+from elastic_jax.model import layouts
 from elastic_jax.model import mamba2 as mamba_lib
-from elastic_jax.model import moe as moe_lib
-from elastic_jax.model.norms import channel_score, rms_norm
+from elastic_jax.model.block import Block
+from elastic_jax.model.budget_masks import BudgetMasks
+from elastic_jax.model.lm import ElasticLM, declare_globals
+from elastic_jax.model.norms import RMSNorm
+from elastic_jax.model.stack_plan import plan_stack
 
-_MIXER_SPECS = {"M": mamba_lib.param_specs, "*": attn_lib.param_specs, "E": moe_lib.param_specs,
-                "-": moe_lib.mlp_param_specs}
+
+class _Globals(nn.Module):
+  """The parameters outside the layer stack, declared exactly as `ElasticLM` declares them."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self):
+    c = self.config
+    p = declare_globals(self, c)
+    RMSNorm(c.hidden_size, c.norm_eps, c.param_dtype, name="final_norm")(
+        jnp.zeros((1, c.hidden_size), jnp.float32))
+    return p
 
 
-def param_specs(c: ModelConfig) -> dict:
-  D, V = c.hidden_size, c.vocab_size
-  return {
-      "embed": iu.Spec((V, D), c.param_dtype, iu.normal(c.initializer_range)),
-      "layers": [{"norm": iu.Spec((D,), c.param_dtype, iu.ones),
-                  "mixer": _MIXER_SPECS[k](c.layer_config(i))}
-                 for i, k in enumerate(c.layer_pattern)],
-      "final_norm": iu.Spec((D,), c.param_dtype, iu.ones),
-      "lm_head": iu.Spec((D, V), c.param_dtype, iu.normal(c.initializer_range)),
-  }
+def _block_init(lc: ModelConfig, kind: str, key):
+  return Block(lc, kind).init(key, jnp.zeros((1, 1, lc.hidden_size), jnp.float32), {})["params"]
+
+
+def _globals_init(config: ModelConfig, key):
+  return _Globals(config).init(key)["params"]
+
+
+# One small program per distinct layer shape (and one for the globals), whatever the depth.
+_block_init_jit = jax.jit(lambda lc, kind, key: nn.unbox(_block_init(lc, kind, key)),
+                          static_argnums=(0, 1))
+_globals_init_jit = jax.jit(lambda config, key: nn.unbox(_globals_init(config, key)),
+                            static_argnums=0)
+
+
+def _assemble(config: ModelConfig, layer_fn, globals_fn) -> dict:
+  g = globals_fn()
+  return {"embed": g["embed"],
+          "layers": {str(i): layer_fn(i, kind) for i, kind in enumerate(config.layer_pattern)},
+          "final_norm": g["final_norm"], "lm_head": g["lm_head"]}
 
 
 def init(config: ModelConfig, key) -> dict:
-  """Random parameters for `config` (Nemotron-H style initialisation)."""
-  return _init(config, key)
+  """Random parameters for `config` (canonical layout, Nemotron-H style initialisation).
+
+  Deterministic in (config, key): layer i draws from fold_in(key, i), the globals from
+  fold_in(key, num_layers). Each distinct layer shape compiles one small program, so a 52-layer
+  stack initialises as fast as a 3-layer one. (`ElasticLM(config).init` also works; it draws
+  other values and compiles the whole forward.)
+  """
+  return _assemble(
+      config,
+      lambda i, kind: _block_init_jit(config.layer_config(i), kind, jax.random.fold_in(key, i)),
+      lambda: _globals_init_jit(config, jax.random.fold_in(key, config.num_layers)))
 
 
-# One compiled program (cacheable across processes) instead of one per op and leaf shape.
-@functools.partial(jax.jit, static_argnums=0)
-def _init(config: ModelConfig, key) -> dict:
-  return iu.materialize(param_specs(config), key)
+@functools.lru_cache(maxsize=32)
+def _abstract(config: ModelConfig) -> dict:
+  """Boxed ShapeDtypeStructs (with logical names) of the canonical params; nothing compiled."""
+  key = jax.random.PRNGKey(0)
+  return _assemble(config,
+                   lambda i, kind: jax.eval_shape(
+                       functools.partial(_block_init, config.layer_config(i), kind), key),
+                   lambda: jax.eval_shape(functools.partial(_globals_init, config), key))
 
 
 def param_shapes(config: ModelConfig) -> dict:
-  """The params pytree as `jax.ShapeDtypeStruct`s, without allocating."""
-  return iu.shapes(param_specs(config))
+  """The canonical params pytree as `jax.ShapeDtypeStruct`s, without allocating."""
+  return nn.unbox(_abstract(config))
+
+
+def logical_axes(config: ModelConfig) -> dict:
+  """The canonical params pytree with each leaf's logical axis names (a `PartitionSpec`)."""
+  return nn.get_partition_spec(_abstract(config))
+
+
+def scanned_logical_axes(config: ModelConfig) -> dict:
+  """`logical_axes` of the scanned layout: stacked unit leaves lead with the "layers" axis."""
+  tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  boxed = jax.eval_shape(ElasticLM(config, stack="scan").init, jax.random.PRNGKey(0), tokens)
+  return nn.get_partition_spec(boxed["params"])
+
+
+def stack_for(config: ModelConfig, stack: str | None = None) -> str:
+  """The stack `apply` runs: `stack` if given, else "scan" when `config.scan_layers` and the
+  model can scan (homogeneous, a repeating pattern), else "loop"."""
+  if stack is not None:
+    return stack
+  can_scan = config.is_homogeneous and plan_stack(config.layer_pattern) is not None
+  return "scan" if config.scan_layers and can_scan else "loop"
 
 
 def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: ModelConfig,
-          moe_impl: str = "dense", scan: str = "chunked", collect: bool = False):
+          moe_impl: str = "dense", ssd: str = "chunked", collect: bool = False,
+          stack: str | None = None):
   """Logits [B,T,V] (fp32) for int tokens [B,T], optionally at a budget given by `masks`.
 
   The residual stream is kept in fp32; matmuls run in `config.compute_dtype`. With `collect`,
   returns (logits, stats): one dict per layer of calibration statistics (see `importance`).
+  `stack` overrides the config's choice of layer stack ("loop" / "scan", see `stack_for`).
   """
-  logits, stats, _ = _forward_jit(params, jnp.asarray(tokens_BT), masks, config, moe_impl, scan, collect)
-  return (logits, stats) if collect else logits
+  stack = "loop" if collect else stack_for(config, stack)
+  logits, aux = _forward_jit(params, jnp.asarray(tokens_BT), masks, config, moe_impl, ssd,
+                             collect, stack)
+  return (logits, aux["stats"]) if collect else logits
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
@@ -90,60 +153,37 @@ def apply_cached(params: dict, tokens_BT, cache: dict, masks: BudgetMasks | None
   valid_BT = jnp.ones((B, T), bool) if valid_BT is None else jnp.asarray(valid_BT, bool)
   key_valid = jax.lax.dynamic_update_slice(cache["key_valid"], valid_BT, (0, cache["pos"]))
   cache = {**cache, "key_valid": key_valid}
-  logits, _, cache = _forward_jit(params, tokens_BT, masks, config, moe_impl, "chunked", False,
-                                  cache, valid_BT)
-  return logits, {**cache, "pos": cache["pos"] + T}
+  logits, aux = _forward_jit(params, tokens_BT, masks, config, moe_impl, "chunked", False, "loop",
+                             cache, valid_BT)
+  return logits, {**aux["cache"], "pos": cache["pos"] + T}
 
 
-def _forward(params, tokens_BT, masks, c: ModelConfig, moe_impl, scan, collect, cache=None,
-             valid_BT=None):
-  tokens_BT = jnp.asarray(tokens_BT)
+def check_params(params, config: ModelConfig) -> None:
+  """Raises ValueError when `params` is not a canonical params tree with the config's depth."""
+  if not isinstance(params, dict) or not {"embed", "layers", "final_norm", "lm_head"} <= set(params):
+    raise ValueError("params must be a dict with embed / layers / final_norm / lm_head")
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    raise ValueError("params use the pre-Flax layout (layers as a list); convert them with "
+                     "elastic_jax.model.layouts.from_legacy")
+  if set(layers) != {str(i) for i in range(config.num_layers)}:
+    raise ValueError(f"params have {len(layers)} layers, config.layer_pattern has "
+                     f"{config.num_layers}")
+
+
+def _forward(params, tokens_BT, masks, c: ModelConfig, moe_impl, ssd, collect, stack,
+             cache=None, valid_BT=None):
   if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
     raise ValueError(f"tokens must be an int array [batch, time], got {tokens_BT.dtype} "
                      f"{tokens_BT.shape}")
-  if len(params["layers"]) != c.num_layers:
-    raise ValueError(f"params have {len(params['layers'])} layers, config.layer_pattern has "
-                     f"{c.num_layers}")
-  masks = masks if masks is not None else BudgetMasks()
-  hm = masks.hidden
-  x = params["embed"][tokens_BT].astype(jnp.float32)
-  if hm is not None:
-    x = x * hm
-  counters = {"M": 0, "E": 0, "*": 0, "-": 0}
-  stats, new_layers = [], []
-  for i, (layer, kind) in enumerate(zip(params["layers"], c.layer_pattern)):
-    j = counters[kind]
-    counters[kind] += 1
-    h = rms_norm(x, layer["norm"], c.norm_eps, hm)
-    p = layer["mixer"]
-    st = None if cache is None else cache["layers"][i]
-    aux = None
-    if kind == "M":
-      out = mamba_lib.mamba2(p, h, c, masks.layer("mamba_heads", j), scan=scan, collect=collect,
-                             state=st, valid_BT=valid_BT)
-    elif kind == "*":
-      out = (attn_lib.attention(p, h, c) if cache is None else
-             attn_lib.attention(p, h, c, st, cache["pos"], cache["key_valid"]))
-    elif kind == "E":
-      out = moe_lib.moe(p, h, c, masks.layer("moe_experts", j), masks.layer("moe_ffn", j),
-                        impl=moe_impl, collect=collect)
-    else:
-      out = moe_lib.mlp(p, h, c)
-    if cache is not None and kind in "M*":
-      out, st = out
-    new_layers.append(st)
-    if collect:
-      out, aux = out if kind in "ME" else (out, None)
-      stats.append({"hidden": channel_score(h), **(aux or {})})
-    out = out.astype(jnp.float32)
-    x = x + (out if hm is None else out * hm)
-  x = rms_norm(x, params["final_norm"], c.norm_eps, hm)
-  dt_ = jnp.dtype(c.compute_dtype)
-  logits = jnp.einsum("btd,dv->btv", x.astype(dt_), params["lm_head"].astype(dt_),
-                      preferred_element_type=jnp.float32)
-  return logits, stats, (None if cache is None else {**cache, "layers": new_layers})
+  check_params(params, c)
+  plan = plan_stack(c.layer_pattern)
+  if stack == "scan" and plan is not None and c.is_homogeneous:  # else ElasticLM says why not
+    params = layouts.to_scanned(params, plan)
+  module = ElasticLM(c, stack=stack, remat=c.remat, moe_impl=moe_impl, ssd=ssd, collect=collect)
+  return module.apply({"params": params}, tokens_BT, masks, cache=cache, valid_BT=valid_BT)
 
 
 # Eager callers (tests, evaluation, notebooks) get one compiled program per shape instead of one
 # per op; under an outer jit or grad this is an ordinary nested call.
-_forward_jit = jax.jit(_forward, static_argnums=(3, 4, 5, 6))
+_forward_jit = jax.jit(_forward, static_argnums=(3, 4, 5, 6, 7))

@@ -11,25 +11,38 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.model import init_utils as iu
+from elastic_jax.model import initializers as init
 
 MOE_IMPLS = ("dense", "ragged", "gather")
 
 
-def param_specs(c: ModelConfig) -> dict:
-  D, E, F, Fs = (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size,
-                 c.moe_shared_expert_intermediate_size)
-  lin = iu.normal(c.initializer_range)
-  out = iu.normal(c.initializer_range / math.sqrt(c.num_layers))
-  pd = c.param_dtype
-  return {"router": iu.Spec((D, E), "float32", lin),
-          "router_bias": iu.Spec((E,), "float32", iu.zeros),
-          "up": iu.Spec((E, D, F), pd, lin), "down": iu.Spec((E, F, D), pd, out),
-          "shared_up": iu.Spec((D, Fs), pd, lin), "shared_down": iu.Spec((Fs, D), pd, out)}
+class MoE(nn.Module):
+  """The MoE mixer as a module; `__call__` returns (out, aux) like every mixer (see `moe`)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD, expert_mask_E=None, ffn_mask_F=None, *, impl: str = "dense",
+               collect: bool = False):
+    c = self.config
+    D, E, F, Fs = (c.hidden_size, c.n_routed_experts, c.moe_intermediate_size,
+                   c.moe_shared_expert_intermediate_size)
+    lin = init.normal(c.initializer_range)
+    out = init.normal(c.initializer_range / math.sqrt(c.num_layers))
+    pd = c.param_dtype
+    p = init.declare(self, {
+        # The router stays fp32 (selection is sensitive to rounding).
+        "router": ((D, E), ("embed", "experts"), lin, "float32"),
+        "router_bias": ((E,), ("experts",), init.zeros, "float32"),
+        "up": ((E, D, F), ("experts", "embed", "expert_mlp"), lin, pd),
+        "down": ((E, F, D), ("experts", "expert_mlp", "embed"), out, pd),
+        "shared_up": ((D, Fs), ("embed", "mlp"), lin, pd),
+        "shared_down": ((Fs, D), ("mlp", "embed"), out, pd)})
+    return moe(p, x_BTD, c, expert_mask_E, ffn_mask_F, impl=impl, collect=collect)
 
 
 def relu2(x):
@@ -96,11 +109,12 @@ def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
 _EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _experts_gather}
 
 
-def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, impl: str = "dense",
-        collect: bool = False):
-  """MoE forward. With `collect`, also returns calibration statistics (dense path):
-  ffn [F] = sum_b (mean over routed (t, e) of |relu^2 act|)^2; per expert sums over routed tokens
-  of g * ||E(x)|| (REAP), of ||E(x)|| (ModelOpt) and the routed-token count."""
+def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
+        impl: str = "dense", collect: bool = False):
+  """MoE forward on params `p`: (out [B,T,D], aux). aux["stats"]: with `collect`, calibration
+  statistics (dense path): ffn [F] = sum_b (mean over routed (t, e) of |relu^2 act|)^2; per
+  expert sums over routed tokens of g * ||E(x)|| (REAP), of ||E(x)|| (ModelOpt) and the
+  routed-token count; else None. aux["state"] is always None (the MoE keeps no decode state)."""
   if impl not in MOE_IMPLS:
     raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
   dt_ = jnp.dtype(c.compute_dtype)
@@ -123,17 +137,4 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, imp
     routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_)
   shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)
   out = (routed + shared).reshape(B, T, D)
-  return (out, stats) if collect else out
-
-
-def mlp_param_specs(c: ModelConfig) -> dict:
-  D, F = c.hidden_size, c.intermediate_size
-  return {"up": iu.Spec((D, F), c.param_dtype, iu.normal(c.initializer_range)),
-          "down": iu.Spec((F, D), c.param_dtype,
-                          iu.normal(c.initializer_range / math.sqrt(c.num_layers)))}
-
-
-def mlp(p: dict, x_BTD, c: ModelConfig):
-  """Dense squared-ReLU MLP ('-' layers)."""
-  dt_ = jnp.dtype(c.compute_dtype)
-  return relu2(x_BTD.astype(dt_) @ p["up"].astype(dt_)) @ p["down"].astype(dt_)
+  return out, {"stats": stats, "state": None}

@@ -1,4 +1,4 @@
-"""RMSNorm variants, computed in fp32, with optional prefix (budget) masks.
+"""RMSNorm variants, computed in fp32, with optional prefix (budget) masks, and the `RMSNorm` module.
 
 A mask weights the mean square, so a hard k-of-d prefix mask gives exactly the RMSNorm over the
 k kept channels, and the output is zero outside the prefix. A mask scaled by a constant (a hard
@@ -6,8 +6,11 @@ mask times its router probability) leaves the statistic unchanged and scales the
 """
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from elastic_jax.model.initializers import ones, param
 
 
 def rms_norm(x, weight, eps: float, mask=None):
@@ -44,3 +47,15 @@ def gated_group_rms_norm(y_BTGHP, z_BTGHP, weight_GHP, eps: float, head_mask_GH=
 def channel_score(a_BT_):
   """Minitron activation statistic per channel: sum_b (mean_t |a[b, t, ...]|)^2 (fp32)."""
   return jnp.sum(jnp.square(jnp.mean(jnp.abs(a_BT_.astype(jnp.float32)), axis=1)), axis=0)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm over the last dim with a learned `scale` [D] (logical axis "embed")."""
+  size: int
+  eps: float
+  param_dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x, mask=None):
+    scale = param(self, "scale", ones, (self.size,), ("embed",), self.param_dtype)
+    return rms_norm(x, scale, self.eps, mask)
