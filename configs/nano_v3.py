@@ -16,6 +16,8 @@ MODEL = ModelConfig(
     n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
     moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
     norm_eps=1e-5, param_dtype="bfloat16", compute_dtype="bfloat16",
+    # 23 x M[*]E scanned (experiments/results/scan_compile.md), each block recomputed in bwd.
+    scan_layers=True, remat="full",
     hidden_choices=(2688, 2560, 2432, 2304, 2176, 2048, 1792),
     mamba_head_choices=(64, 56, 48, 40, 32),
     expert_choices=(128, 120, 112, 104, 96, 88, 80, 72, 64),

@@ -1,12 +1,13 @@
 """Compile cost of the layer stack: loop vs scanned unit, and init, on nano_v3's layer pattern.
 
   python experiments/scan_compile.py            # all 52 layers of nano_v3 at tiny widths
-  python experiments/scan_compile.py --quick    # its first 13 layers, no monolithic init
+  python experiments/scan_compile.py --quick    # its first 7 layers, no monolithic init
 
 For each stack ("loop": one block per layer unrolled; "scan": one scanned unit, see
 `model.stack_plan`) it lowers and compiles a forward+backward (mean-square of the logits, with
 budget masks) and prints trace+lower seconds, compile seconds, the optimized HLO size and XLA's
-temp-memory estimate. Then `init` (one small program per layer shape) vs one jitted
+temp-memory estimate. Scan runs with params in its own stacked layout (as training holds them)
+and, for comparison, with canonical params stacked inside the step. Then `init` (one small program per layer shape) vs one jitted
 `ElasticLM.init` of the whole model (what init was before: one program for every layer). Compile
 caches are off, so every figure is a cold compile. Prints measured ratios; writes a markdown
 table to --out.
@@ -29,19 +30,25 @@ def tiny_width_nano(layers: int):
   return tiny.replace(layer_pattern=pattern, param_dtype="float32", compute_dtype="float32")
 
 
-def measure_step(cfg, stack: str, remat: str, tokens):
+def measure_step(cfg, stack: str, remat: str, native: bool, tokens):
+  """`native`: params held in the stack's own layout (what training does, `to_stack_layout`);
+  else canonical params, stacked inside the step."""
   import jax
   import jax.numpy as jnp
 
   from elastic_jax import apply, from_counts, param_shapes
+  from elastic_jax.model.model import to_stack_layout
   c = cfg.replace(remat=remat)
   masks = from_counts(c, {"hidden": c.hidden_choices[-1]})
+  shapes = param_shapes(c)
+  if native:
+    shapes = jax.eval_shape(lambda p: to_stack_layout(p, c, stack), shapes)
 
   def loss(p):
     return jnp.mean(apply(p, tokens, masks, config=c, stack=stack) ** 2)
 
   t0 = time.perf_counter()
-  lowered = jax.jit(jax.value_and_grad(loss)).trace(param_shapes(c)).lower()
+  lowered = jax.jit(jax.value_and_grad(loss)).trace(shapes).lower()
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
@@ -70,7 +77,7 @@ def measure_init(cfg, monolithic: bool):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--quick", action="store_true", help="13 layers, skip the monolithic init")
+  ap.add_argument("--quick", action="store_true", help="7 layers, skip the monolithic init")
   ap.add_argument("--layers", type=int, default=None, help="first N layers of nano_v3's pattern")
   ap.add_argument("--out", default=None, help="markdown table path")
   args = ap.parse_args()
@@ -80,23 +87,26 @@ def main():
   jax.config.update("jax_enable_compilation_cache", False)
   from elastic_jax.model.stack_plan import plan_stack
 
-  layers = args.layers or (13 if args.quick else 52)
+  layers = args.layers or (7 if args.quick else 52)
   cfg = tiny_width_nano(layers)
   plan = plan_stack(cfg.layer_pattern)
   print(f"pattern {cfg.layer_pattern} ({layers} layers, hidden {cfg.hidden_size}); scan plan: "
         f"{plan.describe()}", flush=True)
   tokens = jnp.zeros((2, 64), jnp.int32)
   rows = []
-  for stack, remat in (("loop", "none"), ("scan", "none"), ("scan", "full")):
-    r = measure_step(cfg, stack, remat, tokens)
-    rows.append((stack, remat, r))
-    print(f"fwd+bwd {stack:4s} remat={remat:9s} lower {r['lower_s']:6.1f}s  compile "
-          f"{r['compile_s']:6.1f}s  HLO {r['hlo_kb']:8.0f} KiB  temp {r['temp_mb']} MiB",
-          flush=True)
-  loop, scan = rows[0][2], rows[1][2]
+  for stack, remat, native in (("loop", "none", True), ("scan", "none", False),
+                               ("scan", "none", True), ("scan", "full", True)):
+    r = measure_step(cfg, stack, remat, native, tokens)
+    layout = "stacked in step" if stack == "scan" and not native else "native"
+    rows.append((stack, remat, layout, r))
+    temp = "n/a" if r["temp_mb"] is None else f"{r['temp_mb']:.0f}"
+    print(f"fwd+bwd {stack} remat={remat:5s} params {layout:15s}: lower {r['lower_s']:5.1f}s "
+          f"compile {r['compile_s']:5.1f}s HLO {r['hlo_kb']:6.0f} KiB temp {temp} MiB", flush=True)
+  loop, scan = rows[0][3], rows[2][3]
   ratio_compile = (loop["lower_s"] + loop["compile_s"]) / (scan["lower_s"] + scan["compile_s"])
   ratio_hlo = loop["hlo_kb"] / scan["hlo_kb"]
-  print(f"loop / scan: lower+compile {ratio_compile:.1f}x, HLO size {ratio_hlo:.1f}x")
+  print(f"loop / scan (native params): lower+compile {ratio_compile:.1f}x, HLO size "
+        f"{ratio_hlo:.1f}x")
   t_fast = measure_init(cfg, monolithic=False)
   print(f"init (per layer shape): {t_fast:.1f}s", flush=True)
   t_mono = None
@@ -108,13 +118,14 @@ def main():
       f.write(f"# Layer-stack compile cost ({layers} layers of nano_v3's pattern, tiny widths)\n\n"
               f"Scan plan: {plan.describe()}. Forward+backward of a [2, 64] batch with budget "
               "masks, cold compile (caches off), 2 CPU cores.\n\n"
-              "| stack | remat | trace+lower s | compile s | optimized HLO KiB | temp MiB |\n"
-              "|---|---|---|---|---|---|\n")
-      for stack, remat, r in rows:
+              "| stack | remat | params | trace+lower s | compile s | optimized HLO KiB | "
+              "temp MiB |\n|---|---|---|---|---|---|---|\n")
+      for stack, remat, layout, r in rows:
         temp = "n/a" if r["temp_mb"] is None else f"{r['temp_mb']:.1f}"
-        f.write(f"| {stack} | {remat} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | "
+        f.write(f"| {stack} | {remat} | {layout} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | "
                 f"{r['hlo_kb']:.0f} | {temp} |\n")
-      f.write(f"\nloop / scan: lower+compile {ratio_compile:.1f}x, HLO size {ratio_hlo:.1f}x.\n\n"
+      f.write(f"\nloop / scan (native params): lower+compile {ratio_compile:.1f}x, HLO size "
+              f"{ratio_hlo:.1f}x.\n\n"
               f"init: {t_fast:.1f} s per-layer-shape programs")
       f.write(f"; {t_mono:.1f} s one jitted `ElasticLM.init` ({t_mono / t_fast:.1f}x).\n"
               if t_mono is not None else ".\n")

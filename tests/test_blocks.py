@@ -32,11 +32,23 @@ def test_block_shapes_and_dtypes(cfg, params, dtype):
   chex.assert_type(y, jnp.dtype(dtype))
 
 
-def test_apply_shapes_and_jit(cfg, params, tokens):
-  logits = jax.jit(lambda p, t: apply(p, t, config=cfg))(params, tokens)
-  chex.assert_shape(logits, tokens.shape + (cfg.vocab_size,))
-  chex.assert_type(logits, jnp.float32)
-  np.testing.assert_allclose(logits, apply(params, tokens, config=cfg), atol=1e-5)
+class ElasticLMJitVsEager(chex.TestCase):
+  """The module's pure `apply`, eager and jitted, equals the jitted functional wrapper."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_module_apply(self):
+    from conftest import CFG, perturb
+    from elastic_jax import from_counts, init
+    from elastic_jax.model import ElasticLM
+    params = perturb(init(CFG, jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 13)), jnp.int32)
+    masks = from_counts(CFG, {"hidden": 24, "moe_experts": 6})
+    fwd = self.variant(lambda p, t, m: ElasticLM(CFG).apply({"params": p}, t, masks=m)[0])
+    logits = fwd(params, tokens, masks)
+    chex.assert_shape(logits, tokens.shape + (CFG.vocab_size,))
+    chex.assert_type(logits, jnp.float32)
+    np.testing.assert_allclose(logits, apply(params, tokens, masks, config=CFG), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_apply_is_causal(cfg, params, tokens):

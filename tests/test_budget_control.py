@@ -4,6 +4,7 @@ in reduced mode on a tiny random-weight checkpoint."""
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from elastic_jax.inference import budget_control as bc
 from elastic_jax import from_counts
 from elastic_jax.io import checkpoint
 from elastic_jax.inference import generate as G
+from elastic_jax.training import data
 from elastic_jax.training.data import train_tokenizer
 from test_generate import CHUNK, MAX_LEN, SMALL, _toks, naive_greedy
 
@@ -155,8 +157,24 @@ def test_budget_control_experiment_quick(tiny_ckpt, tmp_path):
   assert cmp["acc_gain"] == pytest.approx((0.05, 2.5, 0.4)) and cmp["speedup"][:2] == (2.0, 1.0)
   rows = exp.run(tiny_ckpt, str(tmp_path), quick=True, max_len=QUICK_LEN)
   assert {r["kind"] for r in rows} == {"standard", "elastic", "transplant"}
-  assert all(r["latency_s"] > 0 and 0 <= r["accuracy"] <= 1 for r in rows)
-  assert all(-1 <= r["cosine"] <= 1 for r in rows if r["kind"] == "transplant")
+  # One transplant row recomputed item by item outside the experiment: its accuracy, think
+  # length and first-answer-logit cosine against the re-prefill are what the table reports.
+  row = next(r for r in rows if r["kind"] == "transplant" and r["cap"] == 8)
+  fam = bc.load_family(tiny_ckpt, mode="sliced")
+  q, special = exp.QUICK, bc.special_ids(fam.tokenizer)
+  items = data.reasoning_examples(q["n"], seed=10_000, sources=("chain_arithmetic",))
+  hits, think, cos = [], [], []
+  for ex in items:
+    prompt = bc.prompt_ids(fam.tokenizer, ex["question"])
+    t, e = (bc.think_then_answer(fam.get(row["think"]), fam.get(row["answer"]), [prompt], 8,
+                                 q["max_answer_tokens"], transplant=tr, max_len=QUICK_LEN,
+                                 chunk=32, **special)[0] for tr in (True, False))
+    hits.append(bc.is_correct(fam.tokenizer, t.answer, ex["answer"]))
+    think.append(len(t.think))
+    a, b = np.asarray(t.first_logits), np.asarray(e.first_logits)
+    cos.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+  assert row["accuracy"] == np.mean(hits) and row["think_tokens"] == np.mean(think)
+  assert row["cosine"] == pytest.approx(np.mean(cos), rel=1e-5)
   md = (tmp_path / "budget_control.md").read_text()
   assert md.count("\n| ") >= len(rows) and (tmp_path / "budget_control.png").stat().st_size > 0
 
@@ -164,7 +182,9 @@ def test_budget_control_experiment_quick(tiny_ckpt, tmp_path):
 def test_decode_speed_experiment_quick(tmp_path):
   rows = _script("decode_speed").run(str(tmp_path), quick=True)
   assert [r["budget"] for r in rows] == ["30B-like", "23B-like", "12B-like"]
-  assert rows[0]["decode_ratio"] == 1.0 and rows[2]["active_ratio"] < rows[1]["active_ratio"] < 1
+  for r in rows[1:]:   # each budget against the full model's measured speed
+    assert r["decode_ratio"] == pytest.approx(r["decode_tok_s"] / rows[0]["decode_tok_s"])
+  assert rows[2]["active_ratio"] < rows[1]["active_ratio"] < 1
   assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
   assert (tmp_path / "decode_speed.md").read_text().count("\n| ") >= 4
 
@@ -177,4 +197,9 @@ def test_generate_cli_streams(tiny_ckpt):
                       "--max_answer_tokens=3", "--prompt=Calculate 3 + 4.",
                       f"--max_len={QUICK_LEN}"], capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "</think>" in r.stdout and "[small -> full, reprefill]" in r.stderr
+  assert "[small -> full, reprefill]" in r.stderr
+  # The trace is cut at the 5-token cap: </think> is forced there and the answer follows it.
+  think = re.search(r"think (\d+) tokens(, capped)?", r.stderr)
+  assert think and int(think.group(1)) <= 5
+  assert think.group(2) is None or int(think.group(1)) == 5
+  assert r.stdout.count("</think>") == 1

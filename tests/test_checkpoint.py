@@ -2,6 +2,7 @@
 import json
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -25,8 +26,8 @@ def ckpt(cfg, params, tmp_path_factory):
 def test_full_restore_roundtrip(cfg, params, ckpt):
   restored, rcfg = checkpoint.restore(ckpt, expected_config=cfg)
   assert rcfg == cfg
-  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(restored)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, restored),
+                              jax.tree_util.tree_map(np.asarray, params))
   np.testing.assert_array_equal(checkpoint.restore_router(ckpt)["w"], np.arange(6.0).reshape(2, 3))
   meta = checkpoint.load_metadata(ckpt)
   assert meta["tokenizer"] == "tok.json" and meta["axes"]["hidden"] == [32, 24, 16]

@@ -99,3 +99,17 @@ def test_local_files(tmp_path):
 def _take(it, n):
   for _ in range(n):
     yield next(it)
+
+
+def test_validation_split_is_disjoint_from_training():
+  """Held-out documents never reach training rows: the last 5% of the documents use letters
+  n-z, the rest a-m; decoded training rows hold no n-z, validation rows no a-m."""
+  rs = np.random.RandomState(0)
+  words = lambda letters: " ".join("".join(rs.choice(list(letters), 5)) for _ in range(30))
+  docs = [words("abcdefghijklm") for _ in range(38)] + [words("nopqrstuvwxyz") for _ in range(2)]
+  td = data.prepare(docs, 300, (16, 32), val_fraction=0.05)
+  text = lambda rows: "".join(td.tokenizer.decode(list(map(int, r))) for r in rows)
+  train = "".join(text(rows) for rows in td.rows.values())
+  val = text(td.val)
+  assert set(train) & set("nopqrstuvwxyz") == set() and set(train) & set("abcdefghijklm")
+  assert set(val) & set("abcdefghijklm") == set() and set(val) & set("nopqrstuvwxyz")

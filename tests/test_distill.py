@@ -47,3 +47,32 @@ def test_elastic_loss_gradients(cfg, params, tokens):
     leaves = jax.tree_util.tree_leaves(g)
     assert all(np.all(np.isfinite(x)) for x in leaves)
     assert any(np.any(x != 0) for x in leaves)
+
+
+def test_elastic_loss_hard_straight_through_branch(cfg, params, tokens):
+  """hard_prob = 1: the student runs the sampled architecture exactly (KD equals the sliced
+  sub-model's, recomputed from the same Gumbel draw), and the router still gets KD gradients
+  through the straight-through estimator (budget loss off)."""
+  rc = R.RouterConfig(hidden=16)
+  rp = R.init(cfg, rc, jax.random.PRNGKey(0))
+  teacher = apply(params, tokens, config=cfg)
+  key, step, total, onehot = jax.random.PRNGKey(3), 10, 100, R.budget_onehot(cfg, "small")
+
+  def f(r, hard_prob):
+    return elastic_loss(params, r, teacher, tokens, onehot, 0.5, step, total, key, config=cfg,
+                        rc=rc, budget_weight=0.0, hard_prob=hard_prob)
+
+  loss, metrics = jax.jit(f, static_argnums=1)(rp, 1.0)
+  lg = R.logits(rp, onehot, cfg, rc)
+  _, k_sample = jax.random.split(key)
+  sample = {n: jax.nn.one_hot(jnp.argmax(R.gumbel_softmax(
+      l * R.logit_scale(step, total, rc), R.temperature(step, rc), k), -1), l.shape[-1])
+      for (n, l), k in zip(lg.items(), jax.random.split(k_sample, len(lg)))}
+  small, small_cfg = slice_params(params, cfg, R.argmax_counts(sample, cfg))
+  np.testing.assert_allclose(metrics["kd"], forward_kl(teacher, apply(small, tokens,
+                                                                      config=small_cfg)),
+                             rtol=1e-4, atol=1e-6)
+  soft_kd = jax.jit(f, static_argnums=1)(rp, 0.0)[1]["kd"]
+  assert abs(float(soft_kd) - float(metrics["kd"])) > 1e-4   # the branch changes the student
+  g = jax.grad(lambda r: f(r, 1.0)[0])(rp)
+  assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g)) > 0

@@ -8,6 +8,7 @@ import json
 import math
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -81,8 +82,8 @@ def test_export_loads_in_transformers(cfg, params, tokens, tmp_path):
     ref = model(torch.tensor(np.asarray(tokens))).logits.numpy()
   np.testing.assert_allclose(apply(params, tokens, config=c), ref, rtol=1e-4, atol=1e-4)
   c2, p2 = hf.load_pretrained(str(tmp_path), **_overrides(cfg))
-  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(p2)):
-    np.testing.assert_array_equal(np.asarray(a), b)
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, p2),
+                              jax.tree_util.tree_map(np.asarray, params))
 
 
 def test_config_roundtrip(cfg):
@@ -121,11 +122,35 @@ def test_bad_checkpoints(cfg, hf_folder, tmp_path):
     hf.params_from_hf(extra, c)
   bad = tmp_path / "model.safetensors"
   bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
-  with pytest.raises(ValueError, match="corrupt safetensors header"):
+  with pytest.raises(ValueError, match="model.safetensors: unreadable.*corrupt header"):
     st.load_file(str(bad))
   bad.write_bytes(b"\x01")
-  with pytest.raises(ValueError, match="truncated"):
+  with pytest.raises(ValueError, match="unreadable safetensors file, truncated"):
     st.load_file(str(bad))
+
+
+def test_safetensors_files(tmp_path):
+  """Round trip (bf16 too), lazy reads, and our checks on top of the library: a tensor in two
+  shards, an unsupported dtype, a missing name."""
+  import ml_dtypes
+  a = np.arange(6, dtype=np.float32).reshape(2, 3)
+  b = np.arange(4).astype(ml_dtypes.bfloat16)
+  st.save_file({"a": a, "b": b}, str(tmp_path / "one.safetensors"), metadata={"format": "pt"})
+  got = st.load_file(str(tmp_path / "one.safetensors"))
+  assert sorted(got) == ["a", "b"] and len(got) == 2
+  np.testing.assert_array_equal(got["a"], a)
+  assert got["b"].dtype == b.dtype and np.array_equal(got["b"].astype(np.float32), [0, 1, 2, 3])
+  st.save_file({"a": a}, str(tmp_path / "two.safetensors"))
+  with pytest.raises(ValueError, match="tensor 'a' is in both .*one.safetensors and .*two"):
+    st.load_folder(str(tmp_path))
+  with pytest.raises(KeyError):
+    got["c"]
+  import safetensors.numpy
+  fp8 = tmp_path / "fp8" / "model.safetensors"
+  fp8.parent.mkdir()
+  safetensors.numpy.save_file({"w": np.ones(2, ml_dtypes.float8_e4m3fn)}, str(fp8))
+  with pytest.raises(ValueError, match="tensor 'w' has unsupported dtype F8_E4M3"):
+    st.load_folder(str(fp8.parent))
 
 
 def test_sliced_export_via_cli(cfg, params, tokens, tmp_path):

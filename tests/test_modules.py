@@ -141,3 +141,18 @@ def test_axis_table_matches_declared_logical_axes(cfg):
   logical = {a.logical for a in AXES.values()}
   named = {(p, d) for p, spec in flat.items() for d, n in enumerate(spec) if n in logical}
   assert named == listed, sorted(named ^ listed)[:5]
+
+
+def test_scan_compile_experiment_quick(tmp_path):
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "scan.md"
+  proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "scan_compile.py"),
+                         "--quick", "--out", str(out)], capture_output=True, text=True,
+                        timeout=900, cwd=root)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "loop / scan (native params): lower+compile" in proc.stdout
+  table = out.read_text()
+  assert table.count("| scan |") == 3 and table.count("| loop |") == 1

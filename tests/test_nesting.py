@@ -1,6 +1,7 @@
 """Importance scores and function-preserving nesting; ranking beats the identity order."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,8 +100,7 @@ def test_importance_shapes_and_streaming(cfg, params):
   total, _ = accumulate(params, cfg, batches)
   parts = [accumulate(params, cfg, [b])[0] for b in batches]
   summed = jax.tree_util.tree_map(lambda *xs: sum(xs), *parts)
-  for a, b in zip(jax.tree_util.tree_leaves(total), jax.tree_util.tree_leaves(summed)):
-    np.testing.assert_allclose(a, b, rtol=1e-5)
+  chex.assert_trees_all_close(total, summed, rtol=1e-5)
   with pytest.raises(ValueError, match="no calibration batches"):
     compute_importance(params, cfg, [])
   with pytest.raises(ValueError, match="expert_score must be one of"):

@@ -1,4 +1,5 @@
 """Standalone sliced sub-models equal the masked parent (1e-5, fp32)."""
+import chex
 import jax
 import numpy as np
 import pytest
@@ -28,8 +29,8 @@ def test_matches_hand_slice(cfg, params):
   ref, ref_cfg = hand_slice(params, cfg, 24, 6, 6, 12)
   assert small_cfg.replace(hidden_choices=(), mamba_head_choices=(), expert_choices=(),
                            moe_ffn_choices=()) == ref_cfg
-  for a, b in zip(jax.tree_util.tree_leaves(small), jax.tree_util.tree_leaves(ref)):
-    np.testing.assert_array_equal(np.asarray(a), b)
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, small),
+                              jax.tree_util.tree_map(np.asarray, ref))
 
 
 def test_per_layer_config_and_reslice(cfg, params, tokens):

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from elastic_jax import ModelConfig, count_params
 from elastic_jax.io import checkpoint
 from elastic_jax.training.metrics import MetricsWriter
 
@@ -67,7 +68,6 @@ def test_pipeline_end_to_end(reference):
   assert {r["phase"] for r in records} == {"pretrain", "elastic", "report"}
   report = [r for r in records if r["phase"] == "report"]
   assert [r["budget"] for r in report] == ["full", "medium", "small"]
-  assert all(0.0 <= r["answer_acc"] <= 1.0 for r in report)
   # The router's chosen sub-models meet their active-parameter targets within the 5% band.
   for r in report:
     assert abs(r["active_ratio"] / r["target"] - 1) <= 0.05, r
@@ -77,7 +77,12 @@ def test_pipeline_end_to_end(reference):
   meta = checkpoint.load_metadata(os.path.join(workdir, "nested"))
   assert set(meta["budget_counts"]) == {"full", "medium", "small"} and meta["has_router"]
   small, small_cfg = checkpoint.restore(os.path.join(workdir, "nested"), "small")
-  assert small_cfg.hidden_size <= 96
+  counts = meta["budget_counts"]["small"]
+  # The restored sub-model has the router's chosen sizes (per the stored table), not the parent's.
+  assert small_cfg.hidden_size == counts["hidden"] and small["embed"].shape[1] == counts["hidden"]
+  assert count_params(small_cfg).active == pytest.approx(
+      report[-1]["active_ratio"] * count_params(ModelConfig.from_dict(meta["config"])).active,
+      rel=1e-6)
 
 
 def test_resume_after_kill_is_exact(reference, tmp_path):

@@ -1,64 +1,79 @@
-"""Minimal safetensors reader/writer over numpy memmaps (bf16 via ml_dtypes, no torch).
+"""Safetensors files through the `safetensors` library (lazy per-tensor reads, bf16 via ml_dtypes,
+no torch), with our checks: unreadable headers, unsupported dtypes, a tensor in two shards.
 
-Format: u64 little-endian header size, JSON header {name: {dtype, shape, data_offsets}}, bytes.
 Sharded checkpoints are read through `model.safetensors.index.json`.
 """
 from __future__ import annotations
 
 import json
 import os
-import struct
 from typing import Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file as _save_numpy
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+# What numpy can hold (FP8 needs ml_dtypes types the safetensors numpy backend does not map).
+SUPPORTED = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
 class SafetensorsError(ValueError):
   pass
 
 
-def read_header(path: str) -> tuple[dict, int]:
-  with open(path, "rb") as f:
-    raw = f.read(8)
-    if len(raw) != 8:
-      raise SafetensorsError(f"{path}: truncated safetensors file (no header)")
-    n = struct.unpack("<Q", raw)[0]
-    size = os.path.getsize(path)
-    if n > size - 8:
-      raise SafetensorsError(f"{path}: header length {n} exceeds file size {size}")
-    try:
-      header = json.loads(f.read(n))
-    except json.JSONDecodeError as e:
-      raise SafetensorsError(f"{path}: corrupt safetensors header ({e})") from None
-  header.pop("__metadata__", None)
-  return header, 8 + n
+def _open(path: str):
+  try:
+    return safe_open(path, framework="np")
+  except (SafetensorError, OSError) as e:
+    raise SafetensorsError(f"{path}: unreadable safetensors file, truncated or corrupt header "
+                           f"({e})") from None
 
 
-def load_file(path: str) -> dict[str, np.ndarray]:
-  """All tensors of one file as read-only memmapped numpy arrays."""
-  header, base = read_header(path)
-  size = os.path.getsize(path)
-  mm = np.memmap(path, dtype=np.uint8, mode="r")
-  out = {}
-  for name, info in header.items():
-    if info["dtype"] not in _DTYPES:
-      raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-    dtype = np.dtype(_DTYPES[info["dtype"]])
-    start, end = info["data_offsets"]
-    shape = tuple(info["shape"])
-    if base + end > size or end - start != int(np.prod(shape)) * dtype.itemsize:
-      raise SafetensorsError(f"{path}: tensor {name!r} data is out of bounds or mis-sized")
-    out[name] = mm[base + start: base + end].view(dtype).reshape(shape)
-  return out
+def tensor_names(path: str) -> list[str]:
+  """Names of the tensors in one file (header only); checks every dtype is supported."""
+  with _open(path) as f:
+    names = list(f.keys())
+    for name in names:
+      dtype = f.get_slice(name).get_dtype()
+      if dtype not in SUPPORTED:
+        raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype}; "
+                               f"supported: {list(SUPPORTED)}")
+  return names
 
 
-def load_folder(folder: str) -> dict[str, np.ndarray]:
+class TensorFiles(Mapping):
+  """Lazy name -> numpy array over one or more safetensors files: a tensor is read when it is
+  accessed, so converting a large checkpoint never holds all of it twice."""
+
+  def __init__(self, paths):
+    self._where = {}
+    for path in paths:
+      for name in tensor_names(path):
+        if name in self._where:
+          raise SafetensorsError(f"tensor {name!r} is in both {self._where[name]} and {path}")
+        self._where[name] = path
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    path = self._where[name]
+    with _open(path) as f:
+      try:
+        return f.get_tensor(name)
+      except SafetensorError as e:
+        raise SafetensorsError(f"{path}: tensor {name!r}: {e}") from None
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._where)
+
+  def __len__(self) -> int:
+    return len(self._where)
+
+
+def load_file(path: str) -> TensorFiles:
+  """The tensors of one file (lazy, see `TensorFiles`)."""
+  return TensorFiles([path])
+
+
+def load_folder(folder: str) -> TensorFiles:
   """Tensors of a HF folder: one `model.safetensors`, or shards listed in the index."""
   index = os.path.join(folder, "model.safetensors.index.json")
   if os.path.exists(index):
@@ -68,34 +83,16 @@ def load_folder(folder: str) -> dict[str, np.ndarray]:
     files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
   if not files:
     raise SafetensorsError(f"no .safetensors files in {folder}")
-  out = {}
-  for name in files:
-    out.update(load_file(os.path.join(folder, name)))
-  return out
+  return TensorFiles([os.path.join(folder, name) for name in files])
 
 
-def save_file(tensors: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, str] | None = None):
+def save_file(tensors: Mapping[str, np.ndarray], path: str,
+              metadata: Mapping[str, str] | None = None) -> None:
   """Writes tensors atomically (temp file + rename)."""
-  header, offset, blobs = {}, 0, []
-  for name in sorted(tensors):
-    a = np.ascontiguousarray(tensors[name])
-    if a.dtype not in _NAMES:
-      raise SafetensorsError(f"tensor {name!r}: unsupported dtype {a.dtype}")
-    nbytes = a.nbytes
-    header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
-                    "data_offsets": [offset, offset + nbytes]}
-    blobs.append(a)
-    offset += nbytes
-  if metadata:
-    header["__metadata__"] = dict(metadata)
-  raw = json.dumps(header, separators=(",", ":")).encode()
-  raw += b" " * ((-len(raw)) % 8)
+  arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
   tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for a in blobs:
-      f.write(a.tobytes())
+  try:
+    _save_numpy(arrays, tmp, metadata=dict(metadata) if metadata else None)
+  except (SafetensorError, ValueError, TypeError) as e:
+    raise SafetensorsError(f"{path}: cannot write safetensors ({e})") from None
   os.replace(tmp, path)
-
-

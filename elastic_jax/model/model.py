@@ -109,6 +109,26 @@ def stack_for(config: ModelConfig, stack: str | None = None) -> str:
   return "scan" if config.scan_layers and can_scan else "loop"
 
 
+def is_scanned(params) -> bool:
+  """Whether `params` use the scanned layout (see `layouts`)."""
+  return isinstance(params.get("layers"), dict) and "units" in params["layers"]
+
+
+def to_stack_layout(params: dict, config: ModelConfig, stack: str | None = None) -> dict:
+  """`params` in the layout the config's stack runs without a per-step conversion: scanned when
+  `stack_for(config, stack)` is "scan", else canonical. Training holds params this way."""
+  if stack_for(config, stack) == "scan" and not is_scanned(params):
+    return layouts.to_scanned(params, plan_stack(config.layer_pattern))
+  return params
+
+
+def to_canonical(params: dict, config: ModelConfig) -> dict:
+  """`params` in the canonical layout (what checkpoints, slicing and HF export read)."""
+  if is_scanned(params):
+    return layouts.from_scanned(params, plan_stack(config.layer_pattern))
+  return params
+
+
 def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: ModelConfig,
           moe_impl: str = "dense", ssd: str = "chunked", collect: bool = False,
           stack: str | None = None):
@@ -116,9 +136,13 @@ def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: 
 
   The residual stream is kept in fp32; matmuls run in `config.compute_dtype`. With `collect`,
   returns (logits, stats): one dict per layer of calibration statistics (see `importance`).
-  `stack` overrides the config's choice of layer stack ("loop" / "scan", see `stack_for`).
+  `params` may be canonical or scanned (`to_stack_layout`); the stack is `stack` if given,
+  else "scan" for scanned params, else the config's choice (`stack_for`).
   """
-  stack = "loop" if collect else stack_for(config, stack)
+  if collect:
+    stack = "loop"
+  elif stack is None:
+    stack = "scan" if is_scanned(params) else stack_for(config)
   logits, aux = _forward_jit(params, jnp.asarray(tokens_BT), masks, config, moe_impl, ssd,
                              collect, stack)
   return (logits, aux["stats"]) if collect else logits
@@ -176,10 +200,14 @@ def _forward(params, tokens_BT, masks, c: ModelConfig, moe_impl, ssd, collect, s
   if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
     raise ValueError(f"tokens must be an int array [batch, time], got {tokens_BT.dtype} "
                      f"{tokens_BT.shape}")
-  check_params(params, c)
   plan = plan_stack(c.layer_pattern)
-  if stack == "scan" and plan is not None and c.is_homogeneous:  # else ElasticLM says why not
-    params = layouts.to_scanned(params, plan)
+  if is_scanned(params):
+    if stack != "scan":
+      params = layouts.from_scanned(params, plan)
+  else:
+    check_params(params, c)
+    if stack == "scan" and plan is not None and c.is_homogeneous:  # else ElasticLM says why not
+      params = layouts.to_scanned(params, plan)
   module = ElasticLM(c, stack=stack, remat=c.remat, moe_impl=moe_impl, ssd=ssd, collect=collect)
   return module.apply({"params": params}, tokens_BT, masks, cache=cache, valid_BT=valid_BT)
 

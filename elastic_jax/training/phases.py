@@ -23,7 +23,7 @@ from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import ModelConfig
 from elastic_jax.training.distill import elastic_loss, forward_kl
 from elastic_jax.training.loop import commit, run_phase
-from elastic_jax.model.model import apply
+from elastic_jax.model.model import apply, to_canonical, to_stack_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,10 @@ def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions
              lr: float = 3e-3, warmup: int = 20, name: str = "pretrain"):
   """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows)."""
   loss_fn = lambda p, x: (lm_loss(p, x, config), {})
-  return _run(name, loss_fn, params, adamw(lr, steps, warmup), steps, batches, loop)
+  # Params (and the teacher) are held in the layout the stack runs (scanned when it scans).
+  out = _run(name, loss_fn, to_stack_layout(params, config), adamw(lr, steps, warmup), steps,
+             batches, loop)
+  return to_canonical(out, config)
 
 
 def distill(student, student_config: ModelConfig, teacher, teacher_config: ModelConfig,
@@ -92,9 +95,10 @@ def distill(student, student_config: ModelConfig, teacher, teacher_config: Model
   def loss_fn(p, x, teacher):
     t = jax.lax.stop_gradient(apply(teacher, x[:, :-1], config=teacher_config))
     return forward_kl(t, apply(p, x[:, :-1], config=student_config)), {}
-  teacher = commit(teacher)
-  return _run(name, loss_fn, student, adamw(lr, steps, warmup), steps, batches, loop,
-              lambda i, x: (teacher,))
+  teacher = commit(to_stack_layout(teacher, teacher_config))
+  out = _run(name, loss_fn, to_stack_layout(student, student_config), adamw(lr, steps, warmup),
+             steps, batches, loop, lambda i, x: (teacher,))
+  return to_canonical(out, student_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +150,14 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
                         budget_weight=budget_weight, hard_prob=hard_prob)
 
   base_key = jax.random.PRNGKey(seed)
-  teacher = commit(teacher)
+  teacher = commit(to_stack_layout(teacher, config))
   args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),
                        jax.random.fold_in(base_key, i))
   opt = router_lib.make_optimizer(total, lr, router_lr, warmup_steps=warmup)
   names = config.budget_names
-  state = _run("elastic", loss_fn, {"model": params, "router": router_params},
-               opt, total, lambda i: stage_batches[schedule.stage(i)], loop, args,
+  params = to_stack_layout(params, config)
+  state = _run("elastic", loss_fn, {"model": params, "router": router_params}, opt, total,
+               lambda i: stage_batches[schedule.stage(i)], loop, args,
                describe=lambda i: f"stage {schedule.stage(i)} budget {names[schedule.budget(i)]}",
                iterators={f"stage{k}": v for k, v in stage_batches.items()})
-  return state["model"], state["router"]
+  return to_canonical(state["model"], config), state["router"]
