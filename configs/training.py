@@ -2,9 +2,12 @@
 `--config.<section>.<field>=value` on the `elastic_jax.train` command line)."""
 import ml_collections
 
+from elastic_jax.parallel.rules import DEFAULT_RULES
+
 
 def defaults() -> ml_collections.ConfigDict:
-  """Sections: data, pretrain (the parent), elastic (KD + router), router, eval, checkpoint."""
+  """Sections: data, pretrain (the parent), elastic (KD + router), router, eval, checkpoint,
+  parallel (device mesh and logical-axis sharding rules)."""
   return ml_collections.ConfigDict({
       "seed": 0,
       "log_every": 25,
@@ -36,4 +39,10 @@ def defaults() -> ml_collections.ConfigDict:
       "eval": {"n_reasoning": 64, "sources": ("chain_arithmetic",), "max_think_tokens": 48,
                "max_answer_tokens": 8},
       "checkpoint": {"save_every": 50, "keep": 2},
+      "parallel": {
+          # "" runs on one device; else e.g. "data:1,fsdp:-1,tensor:1,expert:1" (-1 fills the
+          # rest). Training phases shard params, optimizer state, teacher and batches over it.
+          "mesh": "",
+          "rules": DEFAULT_RULES,   # logical axis name -> mesh axes (elastic_jax/parallel/rules.py)
+      },
   })

@@ -8,7 +8,9 @@ from __future__ import annotations
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from elastic_jax import cli
 
 flags.DEFINE_string("checkpoint", None, "nested checkpoint directory (from elastic_jax.train)",
                     required=True)
@@ -47,12 +49,13 @@ def main(argv):
   res = bc.think_then_answer(think, answer, prompts, FLAGS.max_think_tokens,
                              FLAGS.max_answer_tokens, **bc.special_ids(family.tokenizer),
                              sampler=Sampler(FLAGS.temperature, FLAGS.top_p),
-                             key=jax.random.PRNGKey(FLAGS.seed), transplant=FLAGS.transplant,
+                             key=jax.random.PRNGKey(FLAGS.seed), continue_cache=FLAGS.transplant,
                              on_token=printer, max_len=FLAGS.max_len)
   printer.finish()
   dt = time.perf_counter() - t0
   n = sum(len(r.think) + len(r.answer) + 1 for r in res)
-  print(f"[{think.name} -> {answer.name}, {res[0].mode}] {n} tokens in {dt:.2f}s "
+  kind = "masked parent" if think.masks is not None else "sliced models"
+  print(f"[{think.name} -> {answer.name}, {res[0].mode}, {kind}] {n} tokens in {dt:.2f}s "
         f"({n / dt:.1f} tok/s, compile included)", file=sys.stderr)
   for q, r in zip(FLAGS.prompt, res):
     answer_text = bc.answer_text(family.tokenizer, r.answer)
@@ -61,5 +64,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
 

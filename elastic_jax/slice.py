@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from elastic_jax import cli
 
 flags.DEFINE_string("checkpoint", None, "nested checkpoint directory", required=True)
 flags.DEFINE_string("budget", None, "budget name or axis=count,... (default: full model)")
@@ -66,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

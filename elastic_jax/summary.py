@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from elastic_jax import cli
 
 flags.DEFINE_string("config", "tiny", "preset in configs/ (tiny, nano_v3)")
 flags.DEFINE_string("hf_dir", None, "local Nemotron-H folder (config.json + safetensors) to load")
@@ -61,4 +63,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

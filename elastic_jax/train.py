@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from elastic_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -54,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -93,7 +93,7 @@ def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None, se
   def once(kind, think, answer, cap, prompt):
     t0 = time.perf_counter()
     r = bc.think_then_answer(family.get(think), family.get(answer), [prompt], cap,
-                             max_answer_tokens, transplant=kind == "transplant", max_len=max_len,
+                             max_answer_tokens, continue_cache=kind == "transplant", max_len=max_len,
                              chunk=chunk, **special)[0]
     return r, time.perf_counter() - t0
 

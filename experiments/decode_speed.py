@@ -58,8 +58,8 @@ def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int
   full = count_params(cfg)
   slices = {}
   for name, counts in paper_like_budgets(cfg).items():
-    pre = G.sliced(params, cfg, counts, name, moe_impl=prefill_moe)
-    slices[name] = (counts, pre, G.Slice(pre.params, pre.config, None, name, moe_impl=decode_moe))
+    pre = G.standalone(params, cfg, counts, name, moe_impl=prefill_moe)
+    slices[name] = (counts, pre, G.SubModel(pre.params, pre.config, None, name, moe_impl=decode_moe))
     _time_prefill_decode(pre, slices[name][2], prompts, max_len, prompt_len, new_tokens)  # compile
   # Budgets interleaved within each repetition, so a load change on a shared machine hits all.
   times = {name: [] for name in slices}

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -70,7 +71,7 @@ def test_transplant_sliced_equals_masked(cfg, params, masked_family):
   toks = _toks(cfg)
   prompts = [list(toks[0, :6]), list(toks[1, :3])]
   res = [bc.think_then_answer(f.get("full"), f.get("small"), prompts, CAP, ANSWER,
-                              transplant=True, max_len=MAX_LEN, chunk=CHUNK)
+                              continue_cache=True, max_len=MAX_LEN, chunk=CHUNK)
          for f in (sliced, masked_family)]
   for a, b in zip(*res):
     assert a.mode == b.mode == "transplant"
@@ -87,7 +88,7 @@ def test_errors(cfg, params, masked_family):
   with pytest.raises(ValueError, match="max_think_tokens >= 0"):
     bc.think_then_answer(full, full, [[1, 5]], -1, 3)
   with pytest.raises(ValueError, match="mismatched slices: vocab"):
-    bc.think_then_answer(full, G.Slice(None, cfg.replace(vocab_size=32)), [[1, 5]], 2, 3)
+    bc.think_then_answer(full, G.SubModel(None, cfg.replace(vocab_size=32)), [[1, 5]], 2, 3)
   with pytest.raises(ValueError, match="cache overflow"):
     bc.think_then_answer(full, full, [[1, 5]], 12, 8, max_len=MAX_LEN, chunk=CHUNK)
 
@@ -167,7 +168,7 @@ def test_budget_control_experiment_quick(tiny_ckpt, tmp_path):
   for ex in items:
     prompt = bc.prompt_ids(fam.tokenizer, ex["question"])
     t, e = (bc.think_then_answer(fam.get(row["think"]), fam.get(row["answer"]), [prompt], 8,
-                                 q["max_answer_tokens"], transplant=tr, max_len=QUICK_LEN,
+                                 q["max_answer_tokens"], continue_cache=tr, max_len=QUICK_LEN,
                                  chunk=32, **special)[0] for tr in (True, False))
     hits.append(bc.is_correct(fam.tokenizer, t.answer, ex["answer"]))
     think.append(len(t.think))
@@ -197,9 +198,31 @@ def test_generate_cli_streams(tiny_ckpt):
                       "--max_answer_tokens=3", "--prompt=Calculate 3 + 4.",
                       f"--max_len={QUICK_LEN}"], capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "[small -> full, reprefill]" in r.stderr
+  assert "[small -> full, reprefill, sliced models]" in r.stderr
   # The trace is cut at the 5-token cap: </think> is forced there and the answer follows it.
   think = re.search(r"think (\d+) tokens(, capped)?", r.stderr)
   assert think and int(think.group(1)) <= 5
   assert think.group(2) is None or int(think.group(1)) == 5
   assert r.stdout.count("</think>") == 1
+
+
+def test_generate_cli_masked_continue_cache_sampled(tiny_ckpt):
+  """--mode=masked --transplant --temperature --seed: the CLI writes what `think_then_answer`
+  writes on the masked family with that sampler and key (and not the greedy answer)."""
+  q = "Calculate 3 + 4."
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.generate", f"--checkpoint={tiny_ckpt}",
+                      "--think_budget=small", "--answer_budget=full", "--max_think_tokens=6",
+                      "--max_answer_tokens=4", f"--prompt={q}", f"--max_len={QUICK_LEN}",
+                      "--mode=masked", "--transplant", "--temperature=1.5", "--seed=3"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "[small -> full, transplant, masked parent]" in r.stderr
+  fam = bc.load_family(tiny_ckpt, mode="masked")
+  prompt, special = bc.prompt_ids(fam.tokenizer, q), bc.special_ids(fam.tokenizer)
+  sampled, greedy = (bc.think_then_answer(fam.get("small"), fam.get("full"), [prompt], 6, 4,
+                                          sampler=s, key=jax.random.PRNGKey(3),
+                                          continue_cache=True, max_len=QUICK_LEN, **special)[0]
+                     for s in (G.Sampler(1.5), G.Sampler()))
+  assert (sampled.think, sampled.answer) != (greedy.think, greedy.answer)
+  answer = bc.answer_text(fam.tokenizer, sampled.answer)
+  assert f"A: {answer!r} (think {len(sampled.think)} tokens" in r.stderr

@@ -101,7 +101,9 @@ def test_slice_cli_subprocess(ckpt, tmp_path):
   assert checkpoint.load_config(out).hidden_size == 16
   r = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={ckpt}",
                       "--budget=huge", f"--out={out}2"], capture_output=True, text=True, timeout=300)
-  assert r.returncode != 0 and "unknown budget 'huge'" in r.stderr
+  # A user error is one line on stderr, not a traceback.
+  assert r.returncode == 1 and "unknown budget 'huge'" in r.stderr
+  assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_v1_checkpoint_restores_through_legacy_layout(cfg, params, ckpt, tmp_path):

@@ -17,12 +17,12 @@ fwd = jax.jit(apply, static_argnames=("config",))   # the reference full forward
 
 def _slice(kind, params, cfg):
   if kind == "full":
-    return G.Slice(params, cfg), fwd(params, _toks(cfg), config=cfg)
+    return G.SubModel(params, cfg), fwd(params, _toks(cfg), config=cfg)
   if kind == "masked":
     s = G.parent_at_budget(params, cfg, SMALL, "small")
     return s, fwd(params, _toks(cfg), from_counts(cfg, SMALL), config=cfg)
   # The sliced model against the masked parent's forward (equal per test_slicing).
-  s = G.sliced(params, cfg, SMALL, "small")
+  s = G.standalone(params, cfg, SMALL, "small")
   return s, fwd(params, _toks(cfg), from_counts(cfg, SMALL), config=cfg)
 
 
@@ -85,7 +85,7 @@ def naive_greedy(params, cfg, prompt, n, masks=None, stop=()):
 
 def test_generate_batch_matches_naive(cfg, params):
   toks = _toks(cfg)
-  slc = G.Slice(params, cfg)
+  slc = G.SubModel(params, cfg)
   prompts = [list(toks[0, :6]), list(toks[1, :2])]
   ref = [naive_greedy(params, cfg, p, 6) for p in prompts]
   streamed = [[], []]
@@ -125,7 +125,7 @@ def test_bad_sampler(bad):
 
 
 def test_bad_input(cfg, params):
-  slc = G.Slice(params, cfg)
+  slc = G.SubModel(params, cfg)
   with pytest.raises(ValueError, match="no prompts"):
     G.generate(slc, [], 2)
   with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -162,9 +162,9 @@ def test_transplant_sliced_equals_masked(cfg, params, direction):
   what the parent with budget masks computes from the same cache (independent code paths)."""
   toks = _toks(cfg)
   prompts = [list(toks[0, :7]), list(toks[1, :5])]
-  full = G.Slice(params, cfg)
+  full = G.SubModel(params, cfg)
   masked_small = G.parent_at_budget(params, cfg, SMALL)
-  sliced_small = G.sliced(params, cfg, SMALL)
+  sliced_small = G.standalone(params, cfg, SMALL)
   if direction == "large_to_small":
     pairs = [(full, sliced_small), (full, masked_small)]
   else:

@@ -1,6 +1,7 @@
 """The main job on the tiny default: every phase, the checkpoint, the table, and exact resume
 after SIGKILL (mid-pretraining and mid-elastic), compared step by step with an uninterrupted run.
 """
+import json
 import os
 import shutil
 import signal
@@ -116,3 +117,50 @@ def test_elastic_vs_separate_quick_mode(reference, tmp_path):
   rows = [l for l in table.splitlines() if l.startswith("| elastic | small |")]
   assert len(rows) == 1 and "| 12,800 |" in rows[0]   # 30 x 4 x 64 + 10 x 4 x 128 student tokens
   assert (workdir / "elastic_vs_separate.png").stat().st_size > 10_000
+
+
+def test_train_cli_hf_parent_and_local_files(tmp_path):
+  """--hf_dir: no pretraining, and the nested parent is that model (nesting keeps its function,
+  so the saved parent's logits equal the HF model's); --data_files: the corpus and tokenizer come
+  from those files only; the elastic phase runs on an 8-device mesh (config.parallel.mesh)."""
+  import jax
+  import numpy as np
+  from configs.tiny import MODEL
+  from elastic_jax import apply, init
+  from elastic_jax.io import hf
+  from elastic_jax.training.data import load_tokenizer
+  hf_dir, workdir = str(tmp_path / "hf"), str(tmp_path / "run")
+  hf.save_pretrained(hf_dir, init(MODEL, jax.random.PRNGKey(7)), MODEL)
+  words = ["walrus", "harbour", "choir", "lantern", "meadow"]
+  (tmp_path / "a.txt").write_text("".join(
+      f"the {words[i % 5]} sings verse {i} with the {words[(i + 2) % 5]}. " * 3 + "\n\n"
+      for i in range(150)))
+  (tmp_path / "b.jsonl").write_text("".join(
+      json.dumps({"text": f"a {words[i % 5]} and a {words[(i + 1) % 5]} met {i} times. " * 3}) + "\n"
+      for i in range(120)))
+  steps = ["--config.elastic.stage1_steps=2", "--config.elastic.stage2_steps=1",
+           "--config.parallel.mesh=fsdp:2,tensor:2,expert:2"]
+  r = subprocess.run(_cmd(workdir) + steps + [f"--hf_dir={hf_dir}",
+                     f"--data_files={tmp_path / 'a.txt'},{tmp_path / 'b.jsonl'}"],
+                     capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "data: 270 docs" in r.stdout
+  assert "mesh: data:1,fsdp:2,tensor:2,expert:2 over 8 cpu devices" in r.stdout
+  assert {x["phase"] for x in MetricsWriter(workdir, tensorboard=False).read()} == {
+      "elastic", "report"}
+  tok = load_tokenizer(os.path.join(workdir, "tokenizer.json"))
+  assert all(tok.token_to_id(f"\u0120{w}") is not None for w in words)  # whole words: our corpus
+  cfg, hf_params = hf.load_pretrained(hf_dir)
+  teacher, _ = checkpoint.restore(os.path.join(workdir, "parent"))
+  tokens = np.random.RandomState(0).randint(0, MODEL.vocab_size, (2, 24)).astype(np.int32)
+  np.testing.assert_allclose(apply(teacher, tokens, config=MODEL),
+                             apply(hf_params, tokens, config=cfg), rtol=1e-4, atol=1e-4)
+
+
+def test_train_cli_user_error_is_one_line(tmp_path):
+  bad = tmp_path / "corpus.csv"
+  bad.write_text("a,b\n")
+  r = subprocess.run(_cmd(str(tmp_path / "run")) + [f"--data_files={bad}"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and r.stderr.strip() == (
+      f"error: data file {str(bad)!r}: expected .txt or .jsonl"), r.stderr[-2000:]

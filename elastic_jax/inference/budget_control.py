@@ -4,11 +4,11 @@
   slice answers, continuing its own cache;
 - elastic: a (small) think slice writes the trace up to its cap, then a (large) answer slice
   re-prefills prompt + trace + `</think>` and writes the answer (exact for the answer slice);
-- elastic with `transplant=True`: the answer slice continues the think slice's cache instead of
+- elastic with `continue_cache=True`: the answer slice continues the think slice's cache instead of
   re-prefilling (approximate: see `generate.transplant_cache`).
 
 A `Family` holds the nested parent loaded once from a checkpoint and hands out slices by budget
-name: standalone sliced sub-models ("sliced") or the parent with budget masks ("masked").
+name: standalone sub-models cut to their shapes ("sliced") or the parent with budget masks ("masked").
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import numpy as np
 from elastic_jax.io import checkpoint
 from elastic_jax.inference import generate as gen
 from elastic_jax.config import ModelConfig
-from elastic_jax.inference.generate import (Sampler, Slice, decode, feed, parent_at_budget, prefill,
-                                  round_up, sliced, stop_rule)
+from elastic_jax.inference.generate import (Sampler, SubModel, decode, feed, parent_at_budget,
+                                            prefill, round_up, standalone, stop_rule)
 
 MODES = ("sliced", "masked")
 
@@ -60,7 +60,7 @@ def is_correct(tokenizer, ids: Sequence[int], gold: str) -> bool:
 
 @dataclasses.dataclass
 class Family:
-  """The nested parent of one checkpoint and its budgets; `get(name)` returns a `Slice`."""
+  """The nested parent of one checkpoint and its budgets; `get(name)` returns a `SubModel`."""
   params: Any
   config: ModelConfig
   budget_counts: Mapping[str, Mapping[str, Any]]
@@ -78,13 +78,13 @@ class Family:
     """Budget names this family can serve ("full" always)."""
     return list(dict.fromkeys(["full", *self.budget_counts]))
 
-  def get(self, budget: str) -> Slice:
+  def get(self, budget: str) -> SubModel:
     """The slice at budget `budget` (built once, then shared: same name = same object)."""
     if budget not in self.names:
       raise ValueError(f"unknown budget {budget!r}; allowed: {self.names}")
     if budget not in self._slices:
       counts = self.budget_counts.get(budget)
-      make = sliced if self.mode == "sliced" else parent_at_budget
+      make = standalone if self.mode == "sliced" else parent_at_budget
       self._slices[budget] = make(self.params, self.config, counts, budget, self.moe_impl)
     return self._slices[budget]
 
@@ -125,11 +125,11 @@ class Result:
   first_logits: np.ndarray
 
 
-def control_mode(think: Slice, answer: Slice, transplant_cache: bool = False) -> str:
+def control_mode(think: SubModel, answer: SubModel, continue_cache: bool = False) -> str:
   """"standard" (one slice), "transplant" or "reprefill" (elastic)."""
   if think is answer:
     return "standard"
-  return "transplant" if transplant_cache else "reprefill"
+  return "transplant" if continue_cache else "reprefill"
 
 
 def max_len_for(prompts: Sequence[Sequence[int]], max_think_tokens: int, max_answer_tokens: int,
@@ -139,10 +139,10 @@ def max_len_for(prompts: Sequence[Sequence[int]], max_think_tokens: int, max_ans
   return round_up(width + max_think_tokens + 1, chunk) + round_up(max_answer_tokens, chunk)
 
 
-def think_then_answer(think: Slice, answer: Slice, prompts: Sequence[Sequence[int]],
+def think_then_answer(think: SubModel, answer: SubModel, prompts: Sequence[Sequence[int]],
                       max_think_tokens: int, max_answer_tokens: int, *, end_think: int = 4,
                       eos: int = 2, sampler: Sampler = Sampler(),
-                      key=None, transplant: bool = False,
+                      key=None, continue_cache: bool = False,
                       on_token: Callable[[int, int], None] | None = None,
                       max_len: int | None = None, chunk: int = 32) -> list[Result]:
   """Budget-controlled generation for prompts ending in `<think>`.
@@ -150,7 +150,8 @@ def think_then_answer(think: Slice, answer: Slice, prompts: Sequence[Sequence[in
   `think` writes up to `max_think_tokens` trace tokens per row (a row stops at `</think>` or
   eos; at the cap `</think>` is forced); then `answer` reads `</think>` and writes up to
   `max_answer_tokens` (stopping at eos). The same slice object for both = standard control;
-  different slices = elastic (re-prefill, or cache transplant with `transplant`). `on_token`
+  different slices = elastic (re-prefill, or with `continue_cache` the answer slice continues the think
+  slice's cache, fitted by `generate.transplant`). `on_token`
   sees every emitted token, the forced `</think>` included, eos excluded."""
   if think.config.vocab_size != answer.config.vocab_size:
     raise ValueError(f"mismatched slices: vocab {think.config.vocab_size} vs "
@@ -158,7 +159,7 @@ def think_then_answer(think: Slice, answer: Slice, prompts: Sequence[Sequence[in
   if max_think_tokens < 0 or max_answer_tokens < 1:
     raise ValueError(f"need max_think_tokens >= 0 and max_answer_tokens >= 1, got "
                      f"{max_think_tokens}, {max_answer_tokens}")
-  mode = control_mode(think, answer, transplant)
+  mode = control_mode(think, answer, continue_cache)
   need = max_len_for(prompts, max_think_tokens, max_answer_tokens, chunk)
   max_len = max_len or need
   if max_len < need:

@@ -2,7 +2,7 @@
 batched prompts of different lengths, greedy / temperature / top-p sampling, stop tokens, any
 budget, and cache transplant between budgets.
 
-A `Slice` is what generates: a standalone sliced sub-model (small shapes, its own config) or the
+A `SubModel` is what generates: a standalone sliced sub-model (small shapes, its own config) or the
 parent at a budget (parent params + `BudgetMasks`; one compiled step serves every budget, so
 switching budget mid-generation is passing other masks). Prompts are left-padded to a multiple of
 the prefill chunk; padded columns are invisible (the model has no positional encoding and the
@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.masks import BudgetMasks, from_counts
@@ -30,7 +31,7 @@ from elastic_jax.elastic.slicing import slice_params
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Slice:
+class SubModel:
   """A model that generates: params + config, and masks when it is the parent at a budget.
 
   Compared by identity: two slices are "the same model" only if they are one object."""
@@ -42,16 +43,16 @@ class Slice:
 
 
 def parent_at_budget(params, config: ModelConfig, counts: Mapping[str, Any] | None,
-                     name: str = "budget", moe_impl: str = "dense") -> Slice:
+                     name: str = "budget", moe_impl: str = "dense") -> SubModel:
   """The parent restricted to per-axis `counts` by masks (no copy of the weights)."""
-  return Slice(params, config, from_counts(config, counts), name, moe_impl)
+  return SubModel(params, config, from_counts(config, counts), name, moe_impl)
 
 
-def sliced(params, config: ModelConfig, counts: Mapping[str, Any] | None, name: str = "budget",
-           moe_impl: str = "dense") -> Slice:
+def standalone(params, config: ModelConfig, counts: Mapping[str, Any] | None, name: str = "budget",
+               moe_impl: str = "dense") -> SubModel:
   """A standalone sub-model: every tensor prefix-sliced to `counts` (small shapes)."""
   small, small_cfg = slice_params(params, config, counts)
-  return Slice(small, small_cfg, None, name, moe_impl)
+  return SubModel(small, small_cfg, None, name, moe_impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig):
                        f"{config.vocab_size})")
 
 
-def extend(slc: Slice, state: DecodeState, tokens_BT, valid_BT=None, *,
+def extend(slc: SubModel, state: DecodeState, tokens_BT, valid_BT=None, *,
            sampler: Sampler = Sampler(), key=None, chunk: int | None = None) -> DecodeState:
   """Feeds T tokens per row (left padding marked False in `valid_BT`) in chunks of `chunk`
   (default: all T at once) and samples each row's next token after them.
@@ -178,7 +179,22 @@ def extend(slc: Slice, state: DecodeState, tokens_BT, valid_BT=None, *,
   return dataclasses.replace(state, cache=cache, pending=pending, logits=logits)
 
 
-def prefill(slc: Slice, prompts: Sequence[Sequence[int]], *, max_len: int,
+def _cache_placement(params):
+  """Where a fresh cache is committed: the params' device, or replicated over their mesh when
+  they are sharded. (Step outputs are committed, and a committed argument where the first call
+  had an uncommitted one would compile the step again.)"""
+  leaf = jax.tree_util.tree_leaves(params)[0]
+  if not isinstance(leaf, jax.Array):
+    return jax.devices()[0]
+  if len(leaf.devices()) == 1:
+    return next(iter(leaf.devices()))
+  if isinstance(leaf.sharding, NamedSharding):
+    return NamedSharding(leaf.sharding.mesh, PartitionSpec())
+  raise ValueError(f"params sharded with {type(leaf.sharding).__name__}; decoding needs them on "
+                   "one device or as NamedShardings over a mesh")
+
+
+def prefill(slc: SubModel, prompts: Sequence[Sequence[int]], *, max_len: int,
             sampler: Sampler = Sampler(), key=None, chunk: int = 32) -> DecodeState:
   """Runs the prompts (different lengths allowed) through `slc` into a fresh cache of `max_len`
   columns, `chunk` tokens at a time; samples each row's first new token."""
@@ -189,16 +205,12 @@ def prefill(slc: Slice, prompts: Sequence[Sequence[int]], *, max_len: int,
                      f"max_len {max_len}")
   toks, valid = left_pad(prompts, width)
   B = len(prompts)
-  # Commit the fresh cache to the params' device: step outputs are committed, and a committed
-  # argument where the first call had an uncommitted one would compile the step again.
-  leaf = jax.tree_util.tree_leaves(slc.params)[0]
-  device = next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
-  cache = jax.device_put(init_cache(slc.config, B, max_len), device)
+  cache = jax.device_put(init_cache(slc.config, B, max_len), _cache_placement(slc.params))
   state = DecodeState(cache, np.zeros(B, np.int32), None, np.ones(B, bool))
   return extend(slc, state, toks, valid, sampler=sampler, key=key, chunk=chunk)
 
 
-def feed(slc: Slice, state: DecodeState, tokens_B, *, sampler: Sampler = Sampler(), key=None,
+def feed(slc: SubModel, state: DecodeState, tokens_B, *, sampler: Sampler = Sampler(), key=None,
          rows=None) -> DecodeState:
   """Feeds one token per row in `rows` (default: the active rows; others are left untouched)
   and samples the next one (the jitted decode step)."""
@@ -217,7 +229,7 @@ def stop_rule(stop_tokens: Sequence[int] = ()) -> Choose:
   return lambda i, tok, out: None if out and out[-1] in stops else tok
 
 
-def decode(slc: Slice, state: DecodeState, max_new_tokens: int, *, choose: Choose | None = None,
+def decode(slc: SubModel, state: DecodeState, max_new_tokens: int, *, choose: Choose | None = None,
            sampler: Sampler = Sampler(), key=None,
            on_token: Callable[[int, int], None] | None = None):
   """Generates up to `max_new_tokens` per active row. Returns (tokens per row, final state).
@@ -250,7 +262,7 @@ def decode(slc: Slice, state: DecodeState, max_new_tokens: int, *, choose: Choos
   return out, dataclasses.replace(state, active=active)
 
 
-def generate(slc: Slice, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+def generate(slc: SubModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              stop_tokens: Sequence[int] = (), sampler: Sampler = Sampler(), key=None,
              on_token=None, max_len: int | None = None, chunk: int = 32):
   """Prefill + decode; returns the new tokens per row (a stop token, if hit, included).
@@ -317,6 +329,6 @@ def transplant_cache(cache: dict, config: ModelConfig) -> dict:
   return jax.tree_util.tree_map(jnp.copy, {**cache, "layers": layers})
 
 
-def transplant(state: DecodeState, to: Slice) -> DecodeState:
+def transplant(state: DecodeState, to: SubModel) -> DecodeState:
   """`state` with its cache fitted to slice `to` (see `transplant_cache`); feed `to` next."""
   return dataclasses.replace(state, cache=transplant_cache(state.cache, to.config))

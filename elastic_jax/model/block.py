@@ -14,6 +14,9 @@ from elastic_jax.model.moe import MoE
 from elastic_jax.model.norms import RMSNorm, channel_score
 
 
+ACTIVATION_AXES = ("batch", "length", "activation_embed")
+
+
 class Block(nn.Module):
   """A residual block of kind `kind` ('M' Mamba-2, '*' attention, 'E' MoE, '-' MLP).
 
@@ -47,5 +50,8 @@ class Block(nn.Module):
       raise ValueError(f"unknown layer kind {self.kind!r}; allowed: M * E -")
     out = out.astype(jnp.float32)
     x_BTD = x_BTD + (out if hidden_mask is None else out * hidden_mask)
+    # The residual stream's layout between blocks; a no-op unless traced under a mesh and
+    # logical-axis rules (`parallel.sharding.activation_context`).
+    x_BTD = nn.with_logical_constraint(x_BTD, ACTIVATION_AXES)
     stats = {"hidden": channel_score(h), **(aux["stats"] or {})} if self.collect else None
     return x_BTD, {"stats": stats, "state": aux["state"]}

@@ -34,10 +34,10 @@ def answer_accuracy(params, config: ModelConfig, tokenizer, examples: Sequence[M
   """Exact match of the generated answer (greedy; think up to the cap, `</think>` forced there,
   then answer) against each example's gold answer."""
   from elastic_jax.inference import budget_control as bc
-  from elastic_jax.inference.generate import Slice
+  from elastic_jax.inference.generate import SubModel
   if not examples:
     return float("nan")
-  slc = Slice(params, config)
+  slc = SubModel(params, config)
   prompts = [bc.prompt_ids(tokenizer, ex["question"]) for ex in examples]
   results = bc.think_then_answer(slc, slc, prompts, max_think_tokens, max_answer_tokens,
                                  **bc.special_ids(tokenizer))

@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import ModelConfig
+from elastic_jax.elastic import router as router_lib
+from elastic_jax.parallel import sharding as shd
+from elastic_jax.parallel.rules import DEFAULT_RULES
 from elastic_jax.training.distill import elastic_loss, forward_kl
 from elastic_jax.training.loop import commit, run_phase
 from elastic_jax.model.model import apply, to_canonical, to_stack_layout
@@ -28,12 +30,25 @@ from elastic_jax.model.model import apply, to_canonical, to_stack_layout
 
 @dataclasses.dataclass(frozen=True)
 class LoopOptions:
-  """Where and how often a phase logs and checkpoints (`ckpt_dir` is per phase)."""
+  """Where and how often a phase logs and checkpoints (`ckpt_dir` is per phase), and the device
+  mesh it runs on (None: one device) with the logical-axis rules that shard it."""
   ckpt_dir: str
   writer: Any                      # metrics.MetricsWriter
   log_every: int = 25
   save_every: int = 50
   keep: int = 2
+  mesh: Any = None                 # jax.sharding.Mesh
+  rules: tuple = DEFAULT_RULES
+
+  def model_sharding(self, params, config: ModelConfig):
+    """Shardings of `params` (either layout) by their logical axes; None without a mesh."""
+    return None if self.mesh is None else shd.param_shardings(params, config, self.mesh,
+                                                              self.rules)
+
+  def place_model(self, params, config: ModelConfig):
+    """`params` sharded on the mesh; as they are without one."""
+    return params if self.mesh is None else jax.device_put(params,
+                                                           self.model_sharding(params, config))
 
 
 def lm_loss(params, tokens_BT, config: ModelConfig, masks=None):
@@ -50,28 +65,43 @@ def adamw(lr: float, steps: int, warmup: int, clip: float = 1.0):
       optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1))))
 
 
-def _train_step(loss_fn: Callable, opt):
-  """jitted (state, *args) -> (state, metrics); loss_fn(params, *args) -> (loss, metrics)."""
-  @jax.jit
+def _train_step(loss_fn: Callable, opt, out_shardings=None):
+  """jitted (state, *args) -> (state, metrics); loss_fn(params, *args) -> (loss, metrics).
+  On a mesh, `out_shardings` keeps the new state where the old one was."""
   def step(state, *args):
     (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], *args)
     updates, opt_state = opt.update(g, state["opt"], state["params"])
     return ({"params": optax.apply_updates(state["params"], updates), "opt": opt_state},
             {"loss": loss, **metrics})
-  return step
+  return jax.jit(step) if out_shardings is None else jax.jit(step, out_shardings=out_shardings)
+
+
+def _init_state(params, opt, loop: LoopOptions, params_sharding):
+  """{"params", "opt"}: on one device as given; on a mesh, params placed by `params_sharding`
+  and the optimizer state created in place, sharded as the params it mirrors."""
+  if loop.mesh is None:
+    return commit({"params": params, "opt": opt.init(params)}), None
+  opt_sh = shd.opt_state_shardings(jax.eval_shape(opt.init, params), params, params_sharding,
+                                   loop.mesh)
+  params = jax.device_put(params, params_sharding)
+  state = {"params": params, "opt": jax.jit(opt.init, out_shardings=opt_sh)(params)}
+  return state, ({"params": params_sharding, "opt": opt_sh}, shd.replicated(loop.mesh))
 
 
 def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step=None,
-         describe=None, iterators=None):
-  step = _train_step(loss_fn, opt)
+         describe=None, iterators=None, params_sharding=None):
+  state, out_shardings = _init_state(params, opt, loop, params_sharding)
+  step = _train_step(loss_fn, opt, out_shardings)
+  put = ((lambda x: jnp.asarray(x)) if loop.mesh is None else
+         (lambda x: shd.shard_batch(x, loop.mesh, loop.rules)))
 
   def step_fn(state, i):
-    x = jnp.asarray(next(it(i)) if callable(it) else next(it))
+    x = put(next(it(i)) if callable(it) else next(it))
     extra = args_for_step(i, x) if args_for_step else ()
-    state, metrics = step(state, x, *extra)
+    with shd.activation_context(loop.mesh, loop.rules):
+      state, metrics = step(state, x, *extra)
     return state, metrics, int(x[:, :-1].size)
 
-  state = commit({"params": params, "opt": opt.init(params)})
   state = run_phase(name, step_fn, state, total, ckpt_dir=loop.ckpt_dir, writer=loop.writer,
                     iterators=iterators or {"train": it}, log_every=loop.log_every,
                     save_every=loop.save_every, keep=loop.keep, describe=describe)
@@ -83,8 +113,9 @@ def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions
   """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows)."""
   loss_fn = lambda p, x: (lm_loss(p, x, config), {})
   # Params (and the teacher) are held in the layout the stack runs (scanned when it scans).
-  out = _run(name, loss_fn, to_stack_layout(params, config), adamw(lr, steps, warmup), steps,
-             batches, loop)
+  params = to_stack_layout(params, config)
+  out = _run(name, loss_fn, params, adamw(lr, steps, warmup), steps, batches, loop,
+             params_sharding=loop.model_sharding(params, config))
   return to_canonical(out, config)
 
 
@@ -95,9 +126,10 @@ def distill(student, student_config: ModelConfig, teacher, teacher_config: Model
   def loss_fn(p, x, teacher):
     t = jax.lax.stop_gradient(apply(teacher, x[:, :-1], config=teacher_config))
     return forward_kl(t, apply(p, x[:, :-1], config=student_config)), {}
-  teacher = commit(to_stack_layout(teacher, teacher_config))
-  out = _run(name, loss_fn, to_stack_layout(student, student_config), adamw(lr, steps, warmup),
-             steps, batches, loop, lambda i, x: (teacher,))
+  teacher = commit(loop.place_model(to_stack_layout(teacher, teacher_config), teacher_config))
+  student = to_stack_layout(student, student_config)
+  out = _run(name, loss_fn, student, adamw(lr, steps, warmup), steps, batches, loop,
+             lambda i, x: (teacher,), params_sharding=loop.model_sharding(student, student_config))
   return to_canonical(out, student_config)
 
 
@@ -150,14 +182,18 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
                         budget_weight=budget_weight, hard_prob=hard_prob)
 
   base_key = jax.random.PRNGKey(seed)
-  teacher = commit(to_stack_layout(teacher, config))
+  teacher = commit(loop.place_model(to_stack_layout(teacher, config), config))
   args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),
                        jax.random.fold_in(base_key, i))
   opt = router_lib.make_optimizer(total, lr, router_lr, warmup_steps=warmup)
   names = config.budget_names
   params = to_stack_layout(params, config)
+  sharding = None if loop.mesh is None else {  # the router is small: replicated
+      "model": loop.model_sharding(params, config),
+      "router": shd.replicate_tree(router_params, loop.mesh)}
   state = _run("elastic", loss_fn, {"model": params, "router": router_params}, opt, total,
                lambda i: stage_batches[schedule.stage(i)], loop, args,
                describe=lambda i: f"stage {schedule.stage(i)} budget {names[schedule.budget(i)]}",
-               iterators={f"stage{k}": v for k, v in stage_batches.items()})
+               iterators={f"stage{k}": v for k, v in stage_batches.items()},
+               params_sharding=sharding)
   return to_canonical(state["model"], config), state["router"]

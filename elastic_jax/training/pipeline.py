@@ -7,6 +7,7 @@ nested/ (the trained family). Each step resumes from what the directory already 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Sequence
 
@@ -19,6 +20,7 @@ from elastic_jax.config import CHOICE_FIELDS, ModelConfig
 from elastic_jax.elastic.importance import compute_importance
 from elastic_jax.training.metrics import MetricsWriter
 from elastic_jax.model.model import init
+from elastic_jax.parallel import mesh as mesh_lib
 from elastic_jax.elastic.nesting import nest
 
 
@@ -37,10 +39,22 @@ class Run:
   def tokenizer_path(self) -> str:
     return os.path.join(self.workdir, "tokenizer.json")
 
+  @functools.cached_property
+  def mesh(self):
+    """The device mesh of `config.parallel.mesh`, or None (one device)."""
+    spec = self.config.parallel.mesh
+    if not spec:
+      return None
+    m = mesh_lib.make_mesh(spec)
+    print(f"mesh: {mesh_lib.describe(m)} over {m.size} {m.devices.flat[0].platform} devices",
+          flush=True)
+    return m
+
   def loop(self, phase: str) -> phases.LoopOptions:
     c = self.config
     return phases.LoopOptions(os.path.join(self.workdir, "checkpoints", phase), self.writer,
-                              c.log_every, c.checkpoint.save_every, c.checkpoint.keep)
+                              c.log_every, c.checkpoint.save_every, c.checkpoint.keep,
+                              mesh=self.mesh, rules=tuple(map(tuple, c.parallel.rules)))
 
   @property
   def seq_lens(self) -> tuple[int, int]:
@@ -105,7 +119,7 @@ def router_config(run: Run, total_steps: int) -> router_lib.RouterConfig:
 
 
 @dataclasses.dataclass
-class Family:
+class TrainedFamily:
   """The trained nested family: params, router and the router's counts per budget."""
   params: dict
   router: dict
@@ -120,7 +134,7 @@ class Family:
     return B * (self.schedule.stage1_steps * L1 + self.schedule.stage2_steps * L2)
 
 
-def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -> Family:
+def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -> TrainedFamily:
   """(c) + (d): elastic KD of the whole family from the nested parent, then one nested
   checkpoint (params + router + the router's counts per budget) in nested/."""
   c, e = run.config, run.config.elastic
@@ -138,7 +152,7 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
   checkpoint.save(os.path.join(run.workdir, "nested"), params, cfg, router=router,
                   budget_counts=counts, tokenizer=run.tokenizer_path,
                   extra={"router_config": dataclasses.asdict(rc)}, overwrite=True)
-  return Family(params, router, rc, counts, schedule)
+  return TrainedFamily(params, router, rc, counts, schedule)
 
 
 def held_out(run: Run) -> list[dict]:

@@ -1,0 +1,38 @@
+"""absl's app.run for our CLIs, with user errors as one line on stderr instead of a traceback.
+
+A bad flag value, file, budget or config makes our code raise ValueError (CheckpointError,
+HFFormatError and SafetensorsError among them) or FileNotFoundError: the CLIs print
+`error: <message>` and exit 1. The same exception types raised inside a library (jax, orbax, ...)
+are bugs or environment problems and keep their traceback; ELASTIC_JAX_TRACEBACK=1 keeps it for
+ours too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable
+
+from absl import app
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def is_user_error(e: BaseException) -> bool:
+  """Raised by our own validation: a ValueError / FileNotFoundError whose innermost frame is in
+  this package."""
+  frames = traceback.extract_tb(e.__traceback__)
+  return (isinstance(e, (ValueError, FileNotFoundError)) and bool(frames)
+          and os.path.abspath(frames[-1].filename).startswith(_PACKAGE + os.sep))
+
+
+def run(main: Callable[[list[str]], object]) -> None:
+  def guarded(argv):
+    try:
+      return main(argv)
+    except (ValueError, FileNotFoundError) as e:
+      if os.environ.get("ELASTIC_JAX_TRACEBACK") or not is_user_error(e):
+        raise
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+  app.run(guarded)

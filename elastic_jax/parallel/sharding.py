@@ -1,0 +1,120 @@
+"""Shardings from logical axis names: params (canonical or scanned layout), optimizer state (as
+its params), token batches (over data and fsdp), and replicated small state (router, metrics).
+
+A logical dim maps to the mesh axes its rule names, keeping only those whose size divides the
+dim (a dim of 96 on an fsdp axis of 64 stays replicated) and never one mesh axis twice in a
+leaf. `replicated_leaves` lists the large leaves that ended up fully replicated anyway, so tests
+and the plan can refuse silent replication.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.model import model as model_lib
+from elastic_jax.parallel.rules import DEFAULT_RULES, Rules, validate
+
+
+def spec_for(shape, logical, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> P:
+  """The PartitionSpec of one array of `shape` whose dims carry the names in `logical`."""
+  if len(logical) != len(shape):
+    raise ValueError(f"logical names {tuple(logical)} do not match shape {tuple(shape)}")
+  wanted = nn.logical_to_mesh_axes(tuple(logical), validate(rules, mesh.axis_names))
+  used, out = set(), []
+  for dim, axes in zip(shape, wanted):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    keep, size = [], 1
+    for a in axes:
+      n = mesh.shape[a]
+      if n > 1 and a not in used and dim % (size * n) == 0:
+        keep.append(a)
+        size *= n
+    used.update(keep)
+    out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+  return P(*out)
+
+
+def tree_shardings(shapes, logical, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+  """NamedShardings for a tree of arrays (or ShapeDtypeStructs) and a matching tree of names."""
+  is_spec = lambda x: isinstance(x, P)
+  return jax.tree.map(lambda names, x: NamedSharding(mesh, spec_for(x.shape, names, mesh, rules)),
+                      logical, shapes, is_leaf=is_spec)
+
+
+def param_shardings(params, config: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+  """Shardings of model params in either layout (canonical or scanned, see `model.layouts`)."""
+  logical = (model_lib.scanned_logical_axes(config) if model_lib.is_scanned(params)
+             else model_lib.logical_axes(config))
+  return tree_shardings(params, logical, mesh, rules)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def replicate_tree(tree, mesh: Mesh):
+  return jax.tree.map(lambda _: replicated(mesh), tree)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """Token batches [B, T] split over the mesh axes the "batch" rule names."""
+  return NamedSharding(mesh, P(_batch_axes(mesh, rules) or None))
+
+
+def _batch_axes(mesh: Mesh, rules: Rules) -> tuple:
+  wanted = nn.logical_to_mesh_axes(("batch",), validate(rules, mesh.axis_names))[0]
+  wanted = () if wanted is None else (wanted,) if isinstance(wanted, str) else tuple(wanted)
+  return tuple(a for a in wanted if mesh.shape[a] > 1)
+
+
+def shard_batch(x, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:
+  """Places a host batch on the mesh, split over its batch axes; the batch must divide."""
+  s = batch_sharding(mesh, rules)
+  n = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  if np.shape(x)[0] % n:
+    raise ValueError(f"batch of {np.shape(x)[0]} rows does not split over {n} devices "
+                     f"(mesh axes {_batch_axes(mesh, rules)}); use a multiple of {n}")
+  return jax.device_put(x, s)
+
+
+def opt_state_shardings(opt_state, params, params_shardings, mesh: Mesh):
+  """Shardings for `opt_state` (arrays or ShapeDtypeStructs): a leaf whose tree path ends with
+  a param's path and has its shape (AdamW moments, also inside `optax.multi_transform`) is
+  sharded as that param; the rest (counts, scalars) is replicated."""
+  by_path = {tuple(p): (x.shape, s) for (p, x), s in zip(
+      jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params_shardings))}
+
+  def pick(path, x):
+    for k in range(len(path)):
+      shape, sharding = by_path.get(tuple(path[k:]), (None, None))
+      if sharding is not None and shape == x.shape:
+        return sharding
+    return replicated(mesh)
+  return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
+@contextlib.contextmanager
+def activation_context(mesh: Mesh | None, rules: Rules = DEFAULT_RULES):
+  """Trace under this to apply the model's activation constraints (block boundaries) on `mesh`
+  with `rules`; without a mesh, nothing is constrained."""
+  if mesh is None:
+    yield
+    return
+  with jax.set_mesh(mesh), nn.logical_axis_rules(validate(rules, mesh.axis_names)):
+    yield
+
+
+def replicated_leaves(tree, min_size: int = 1024) -> list[str]:
+  """Paths of leaves with at least `min_size` elements that are not split across devices."""
+  out = []
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    sharding = getattr(x, "sharding", None)
+    if np.size(x) >= min_size and (sharding is None or
+                                   sharding.shard_shape(x.shape) == tuple(x.shape)):
+      out.append(jax.tree_util.keystr(path))
+  return out

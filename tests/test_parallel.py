@@ -1,0 +1,164 @@
+"""Meshes and shardings on 8 host devices: every large leaf really sharded, sharded forward and
+gradients equal to one device, training phases on a mesh equal to one device, and a phase that
+resumes on a different mesh shape."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from elastic_jax import apply, from_counts
+from elastic_jax.elastic import router as R
+from elastic_jax.model.model import to_stack_layout
+from elastic_jax.parallel import mesh as M
+from elastic_jax.parallel import sharding as S
+from elastic_jax.training import data, phases
+from elastic_jax.training.metrics import MetricsWriter
+
+COUNTS = {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return M.make_mesh("fsdp:2,tensor:2,expert:2")
+
+
+def test_parse_and_resolve():
+  assert M.resolve(M.parse_mesh("data:2,fsdp:-1"), 8) == {
+      "data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+  m = M.make_mesh("data:1,fsdp:-1,tensor:2,expert:1")
+  assert dict(m.shape) == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+  assert M.make_mesh("fsdp:4", jax.devices()[4:]).devices.flatten().tolist() == jax.devices()[4:]
+  for bad, msg in (("fsdp:-1,data:-1", "at most one"), ("pipe:2", "expected axis:size"),
+                   ("fsdp:x", "integer"), ("fsdp:0", "positive"), ("data:3,fsdp:-1", "divide"),
+                   ("data:2", "needs 2 devices"), ("fsdp:2,fsdp:4", "twice")):
+    with pytest.raises(ValueError, match=msg):
+      M.make_mesh(bad)
+
+
+def test_spec_for_rules_divisibility_and_reuse(mesh):
+  assert S.spec_for((64, 32), ("vocab", "embed"), mesh) == P("tensor", "fsdp")
+  assert S.spec_for((8, 32, 16), ("experts", "embed", "expert_mlp"), mesh) == P(
+      "expert", "fsdp", "tensor")
+  assert S.spec_for((63, 32), ("vocab", "embed"), mesh) == P(None, "fsdp")  # 63 % 2: replicated
+  # One mesh axis at most once per leaf; size-1 axes are left out.
+  assert S.spec_for((4, 4), ("mlp", "expert_mlp"), mesh) == P("tensor", None)
+  assert S.spec_for((4,), ("embed",), M.make_mesh("data:-1")) == P(None)
+  with pytest.raises(ValueError, match="unknown mesh axes"):
+    S.spec_for((4,), ("embed",), mesh, (("embed", "pipe"),))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_large_leaf_is_sharded(cfg, params, mesh, scan):
+  c = cfg.replace(scan_layers=scan)
+  p = to_stack_layout(params, c)
+  placed = jax.device_put(p, S.param_shardings(p, c, mesh))
+  assert S.replicated_leaves(placed, min_size=256) == []
+  assert S.replicated_leaves(p, min_size=256) != []      # the check can fail
+  chex.assert_trees_all_equal(jax.device_get(placed), jax.device_get(p))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_sharded_forward_and_grads_equal_one_device(cfg, params, mesh, scan):
+  c = cfg.replace(scan_layers=scan)
+  p = to_stack_layout(params, c)
+  toks = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (8, 13)), jnp.int32)
+  masks = from_counts(cfg, COUNTS)
+
+  @jax.jit
+  def f(p, x):
+    loss = lambda p: (jnp.mean(apply(p, x, masks, config=c) ** 2)
+                      + phases.lm_loss(p, x, c))
+    return jax.value_and_grad(loss)(p)
+
+  want = f(p, toks)
+  sp = jax.device_put(p, S.param_shardings(p, c, mesh))
+  got = f(sp, S.shard_batch(toks, mesh))
+  chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=1e-5, atol=1e-6)
+  assert S.replicated_leaves(got[1], min_size=256) == []   # gradients stay sharded like params
+
+
+def test_activation_constraints_at_block_boundaries(cfg, params, tokens, mesh):
+  """Under `activation_context` every block's output is constrained (batch split over the
+  batch axes); outside it, none is."""
+  f = jax.jit(lambda p, x: apply(p, x, config=cfg))
+  x = S.shard_batch(jnp.tile(tokens, (4, 1)), mesh)
+  with S.activation_context(mesh):
+    inside = f.trace(params, x).lower().as_text()
+  outside = f.trace(params, x).lower().as_text()
+  n = lambda text: text.count("sdy.sharding_constraint") + text.count("@Sharding")  # shardy / gspmd
+  assert n(inside) >= cfg.num_layers and n(outside) == 0
+  assert '[{"data", "fsdp"}, {}, {}]' in inside or "devices=[2,1,1,4]" in inside
+
+
+def test_optimizer_state_is_sharded_as_its_params(cfg, params, mesh):
+  """The elastic optimizer (optax.multi_transform over model and router): each AdamW moment of a
+  model leaf is sharded as that leaf; step counts and the small router stay replicated."""
+  tree = {"model": params, "router": R.init(cfg, R.RouterConfig(hidden=16), jax.random.PRNGKey(0))}
+  opt = R.make_optimizer(10, 1e-3, 1e-2)
+  psh = {"model": S.param_shardings(params, cfg, mesh),
+         "router": S.replicate_tree(tree["router"], mesh)}
+  state = jax.jit(opt.init, out_shardings=S.opt_state_shardings(
+      jax.eval_shape(opt.init, tree), tree, psh, mesh))(tree)
+  assert [p for p in S.replicated_leaves(state, 256) if "'model'" in p] == []
+  specs = {str(x.sharding.spec) for x in jax.tree.leaves(state)}
+  split = lambda xs, shs: sum(s.shard_shape(x.shape) != x.shape for x, s in zip(xs, shs))
+  n_params = split(jax.tree.leaves(params), jax.tree.leaves(psh["model"]))
+  state_leaves = jax.tree.leaves(state)
+  # mu and nu per split param, nothing else split
+  assert split(state_leaves, [x.sharding for x in state_leaves]) == 2 * n_params > 0
+  assert "P()" in specs
+
+
+def test_shard_batch_refuses_an_uneven_batch(mesh):
+  with pytest.raises(ValueError, match="does not split over 2 devices"):
+    S.shard_batch(np.zeros((3, 5), np.int32), mesh)
+
+
+def _loop(tmp_path, name, mesh=None, save_every=1000):
+  return phases.LoopOptions(str(tmp_path / name), MetricsWriter(str(tmp_path / name),
+                                                                 tensorboard=False),
+                            log_every=1, save_every=save_every, mesh=mesh)
+
+
+def _losses(tmp_path, name):
+  return [r["loss"] for r in MetricsWriter(str(tmp_path / name), tensorboard=False).read()]
+
+
+def _batches(cfg, seed=0):
+  rows = np.random.RandomState(seed).randint(0, cfg.vocab_size, (64, 13)).astype(np.int32)
+  return iter(data.make_dataset(rows, 8, seed=seed, shard_index=0, shard_count=1))
+
+
+def test_pretrain_on_a_mesh_equals_one_device_and_resumes_on_another(cfg, params, mesh, tmp_path):
+  one = phases.pretrain(params, cfg, _batches(cfg), 4, _loop(tmp_path, "one"), lr=1e-2)
+  many = phases.pretrain(params, cfg, _batches(cfg), 4, _loop(tmp_path, "mesh", mesh), lr=1e-2)
+  np.testing.assert_allclose(_losses(tmp_path, "mesh"), _losses(tmp_path, "one"), rtol=1e-5)
+  chex.assert_trees_all_close(jax.device_get(many), jax.device_get(one), rtol=1e-4, atol=1e-5)
+  assert S.replicated_leaves(many, min_size=256) == []
+  # Saved every step on 8 devices, stopped at 2, resumed to 4 on a 4-device mesh.
+  batches = _batches(cfg)
+  phases.pretrain(params, cfg, batches, 2, _loop(tmp_path, "moved", mesh, 1), lr=1e-2)
+  four = M.make_mesh("fsdp:2,tensor:2", jax.devices()[:4])
+  loop4 = _loop(tmp_path, "moved", four, 1)
+  # A new iterator: the data position comes back from the checkpoint.
+  moved = phases.pretrain(params, cfg, _batches(cfg), 4, loop4, lr=1e-2)
+  np.testing.assert_allclose(_losses(tmp_path, "moved"), _losses(tmp_path, "one"), rtol=1e-5)
+  chex.assert_trees_all_close(jax.device_get(moved), jax.device_get(one), rtol=1e-4, atol=1e-5)
+  assert {d.id for x in jax.tree.leaves(moved) for d in x.devices()} == {0, 1, 2, 3}
+
+
+def test_elastic_phase_on_a_mesh_equals_one_device(cfg, params, mesh, tmp_path):
+  rc = R.RouterConfig(hidden=16)
+  sched = phases.ElasticSchedule(len(cfg.budgets), stage1_steps=2, stage2_steps=1)
+  router0 = R.init(cfg, rc, jax.random.PRNGKey(0))
+  out = {}
+  for name, m in (("one", None), ("mesh", mesh)):
+    its = {k: _batches(cfg, k) for k in (1, 2)}
+    out[name] = phases.elastic(params, params, cfg, router0, rc, sched, its,
+                               _loop(tmp_path, name, m), lr=1e-3, router_lr=3e-2)
+  np.testing.assert_allclose(_losses(tmp_path, "mesh"), _losses(tmp_path, "one"), rtol=1e-5)
+  chex.assert_trees_all_close(jax.device_get(out["mesh"]), jax.device_get(out["one"]),
+                              rtol=1e-4, atol=1e-5)
+  assert S.replicated_leaves(out["mesh"][0], min_size=256) == []
