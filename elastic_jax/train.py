@@ -26,6 +26,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.DEFINE_string("workdir", "runs/tiny", "output directory (re-run to resume)")
 flags.DEFINE_string("hf_dir", None, "start from this local Nemotron-H parent instead of pretraining")
 flags.DEFINE_list("data_files", [], "local .txt/.jsonl files instead of the embedded corpus")
+flags.DEFINE_string("coordinator_address", None, "multi-process: host:port of process 0")
+flags.DEFINE_integer("num_processes", None, "multi-process: how many processes")
+flags.DEFINE_integer("process_id", None, "multi-process: this process's index")
 FLAGS = flags.FLAGS
 
 
@@ -34,6 +37,10 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.ERROR)  # Orbax logs per chunk and per save
 
+  from elastic_jax.parallel import distributed
+  # Before any jax computation; auto-detects TPU pods and SLURM jobs when no flag is given.
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                         auto=True)
   from elastic_jax.training import evaluate, pipeline
 
   t_start = time.perf_counter()

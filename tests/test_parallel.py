@@ -162,3 +162,82 @@ def test_elastic_phase_on_a_mesh_equals_one_device(cfg, params, mesh, tmp_path):
   chex.assert_trees_all_close(jax.device_get(out["mesh"]), jax.device_get(out["one"]),
                               rtol=1e-4, atol=1e-5)
   assert S.replicated_leaves(out["mesh"][0], min_size=256) == []
+
+
+# The multi-process run and its single-process reference share this setup.
+MP_STEPS = (2, 2)   # elastic stage 1 and stage 2 steps
+
+
+def elastic_run(workdir, process=None, stop_after=None):
+  """The elastic phase on fsdp:2,tensor:2,expert:2 over 8 devices. With `process` = (index,
+  count) this process reads its shard of the data; without it, one process reads every shard
+  and concatenates them in process order (the same global batches)."""
+  import conftest
+  from elastic_jax import init
+  cfg = conftest.CFG
+  params = conftest.perturb(init(cfg, jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+  rc = R.RouterConfig(hidden=16)
+  sched = phases.ElasticSchedule(len(cfg.budgets), *MP_STEPS)
+  rows = np.random.RandomState(3).randint(0, cfg.vocab_size, (64, 13)).astype(np.int32)
+  shard = lambda k, i: iter(data.make_dataset(rows, 4, seed=k, shard_index=i, shard_count=2))
+  its = ({k: shard(k, process[0]) for k in (1, 2)} if process else
+         {k: _Concat([shard(k, 0), shard(k, 1)]) for k in (1, 2)})
+  loop = phases.LoopOptions(str(workdir / "ckpt"), MetricsWriter(str(workdir), tensorboard=False),
+                            log_every=1, save_every=1, mesh=M.make_mesh("fsdp:2,tensor:2,expert:2"),
+                            stop_after=stop_after)
+  return phases.elastic(params, params, cfg, R.init(cfg, rc, jax.random.PRNGKey(0)), rc, sched,
+                        its, loop, lr=1e-2, router_lr=3e-2)
+
+
+class _Concat:
+  """Batches of several iterators side by side (a resumable grain-like iterator)."""
+  def __init__(self, its):
+    self.its = its
+
+  def __next__(self):
+    return np.concatenate([next(it) for it in self.its])
+
+  def get_state(self):
+    return [it.get_state() for it in self.its]
+
+  def set_state(self, state):
+    for it, s in zip(self.its, state):
+      it.set_state(s)
+
+
+def test_two_processes_equal_one_step_for_step_and_resume(tmp_path):
+  """2 processes x 4 CPU devices (jax.distributed over 127.0.0.1, gloo): a few elastic steps,
+  stopped and saved at step 2 (each process's data state too), resumed to the end; the loss
+  curve equals one process driving all 8 devices."""
+  import os
+  import socket
+  import subprocess
+  import sys
+  one = tmp_path / "one"
+  elastic_run(one)
+  multi = tmp_path / "multi"
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  for stop in (2, sum(MP_STEPS)):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, worker, str(i), port, str(multi), str(stop)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+  assert "elastic: resumed from step 2/4" in outs[0]
+  got, want = _losses(tmp_path, "multi"), _losses(tmp_path, "one")
+  assert len(got) == len(want) == sum(MP_STEPS)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_distributed_initialize_arguments():
+  from elastic_jax.parallel import distributed
+  assert distributed.initialize() is False          # single process: nothing to join
+  with pytest.raises(ValueError, match="give all of"):
+    distributed.initialize("127.0.0.1:1234", 2)
+  with pytest.raises(ValueError, match=r"--process_id 2 not in \[0, 2\)"):
+    distributed.initialize("127.0.0.1:1234", 2, 2)
+  assert distributed.allgather_json({"a": [1]}) == [{"a": [1]}]

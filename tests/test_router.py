@@ -169,3 +169,15 @@ def test_chosen_counts_off_grid_budget(cfg):
     assert {k: int(v) for k, v in got.items()} == want, frac
     seen.add(tuple(sorted(want.items())))
   assert len(seen) > 1
+
+
+def test_budget_loss_at_30b_scale_with_a_traced_budget():
+  """nano_v3 has 3.58B active params, past int32: the jitted loss (budget fraction traced, as
+  in the training step) must not overflow, and equals the same loss computed eagerly."""
+  from configs.nano_v3 import MODEL as NANO
+  rc = R.RouterConfig(hidden=8)
+  assert count_params(NANO).active > 2 ** 31
+  full = {n: jax.nn.one_hot(jnp.zeros(1, jnp.int32), len(a.choices(NANO))) for n, a in AXES.items()}
+  # The full architecture at a 0.56 budget: |1 / 0.56 - 1|, outside the band.
+  got = jax.jit(lambda f: R.budget_loss(full, NANO, f, rc))(jnp.float32(0.56))
+  assert float(got) == pytest.approx(1 / 0.56 - 1, rel=1e-5)

@@ -191,7 +191,8 @@ def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
     size = lambda counts, v: count_memory(config, counts, validate=v, **memory_kwargs)
   else:
     raise ValueError(f"measure must be 'active' or 'memory', got {measure!r}")
-  full = size(None, True)
+  # As a Python float: a 30B-scale int overflows jax's int32 when it meets a traced value.
+  full = float(size(None, True))
   active = size(expected_counts(probs, config), False)
   rel = jnp.abs(active / (fraction * full) - 1.0)
   loss = jnp.where(rel > rc.band, rel, 0.0)

@@ -73,12 +73,17 @@ def _batch_axes(mesh: Mesh, rules: Rules) -> tuple:
 
 
 def shard_batch(x, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:
-  """Places a host batch on the mesh, split over its batch axes; the batch must divide."""
+  """Places a host batch on the mesh, split over its batch axes; the batch must divide. In a
+  multi-process run `x` is this process's part: the global batch is every process's rows in
+  process order."""
   s = batch_sharding(mesh, rules)
   n = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
-  if np.shape(x)[0] % n:
-    raise ValueError(f"batch of {np.shape(x)[0]} rows does not split over {n} devices "
+  rows = np.shape(x)[0] * jax.process_count()
+  if rows % n:
+    raise ValueError(f"batch of {rows} rows does not split over {n} devices "
                      f"(mesh axes {_batch_axes(mesh, rules)}); use a multiple of {n}")
+  if jax.process_count() > 1:
+    return jax.make_array_from_process_local_data(s, np.asarray(x))
   return jax.device_put(x, s)
 
 

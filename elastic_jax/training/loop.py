@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from elastic_jax.parallel import distributed
 from elastic_jax.training.metrics import MetricsWriter
 
 
@@ -63,7 +64,9 @@ def restore_latest(mngr: ocp.CheckpointManager, state, iterators: Mapping[str, A
   if missing:
     raise ValueError(f"{mngr.directory}: step {step} has no state for data iterators {missing}")
   for name, it in iterators.items():
-    it.set_state(got.data[name])
+    saved = got.data[name]
+    # Multi-process runs save one state per process (in process order).
+    it.set_state(saved[jax.process_index()] if isinstance(saved, list) else saved)
   return step, got.state
 
 
@@ -74,13 +77,15 @@ def _committed(phase: str, step: int) -> None:
 def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_dir: str,
               writer: MetricsWriter, iterators: Mapping[str, Any] | None = None,
               log_every: int = 25, save_every: int = 50, keep: int = 2,
-              describe: Callable[[int], str] | None = None, loss_key: str = "loss"):
+              describe: Callable[[int], str] | None = None, loss_key: str = "loss",
+              stop_after: int | None = None):
   """Runs `phase` to `total_steps`, resuming from `ckpt_dir` if it holds a checkpoint.
 
   `step_fn(state, step)` (1-based step) returns (state, metrics: dict of scalars, tokens in the
   step). Every `log_every` steps (and the last) prints loss, tokens/s and ETA and writes the
   metrics; every `save_every` steps (and the last) saves, after checking that the loss is
   finite. `describe(step)` adds a host-side note to the progress line (e.g. the budget).
+  `stop_after` ends this attempt at that step, saved (a time-limited job; re-run to go on).
   """
   iterators = dict(iterators or {})
   mngr = manager(ckpt_dir, keep)
@@ -90,10 +95,11 @@ def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_di
     print(f"{phase}: resumed from step {start}/{total_steps} ({mngr.directory})", flush=True)
   t0, tokens, pending = time.perf_counter(), 0, None
   try:
-    for step in range(start + 1, total_steps + 1):
+    end = total_steps if stop_after is None else min(stop_after, total_steps)
+    for step in range(start + 1, end + 1):
       state, metrics, n_tok = step_fn(state, step)
       tokens += n_tok
-      last = step == total_steps
+      last = step == end
       if step % log_every == 0 or last:
         values = {k: check_finite(v, f"{phase} {k}", step) for k, v in metrics.items()
                   if np.ndim(v) == 0}
@@ -113,6 +119,8 @@ def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_di
           _committed(phase, pending)
         check_finite(metrics[loss_key], f"{phase} {loss_key}", step)
         data_state = {name: it.get_state() for name, it in iterators.items()}
+        if jax.process_count() > 1:
+          data_state = {k: distributed.allgather_json(v) for k, v in data_state.items()}
         # Async: written in the background, visible to a restart only once committed.
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                 data=ocp.args.JsonSave(data_state)))

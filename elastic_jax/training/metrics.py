@@ -14,9 +14,12 @@ import os
 
 
 class MetricsWriter:
-  """Appends records for one run directory; see the module docstring."""
+  """Appends records for one run directory; see the module docstring. In a multi-process run
+  only process 0 writes (every process computes the same global metrics)."""
 
   def __init__(self, workdir: str, tensorboard: bool = True):
+    import jax
+    self.enabled = jax.process_index() == 0
     self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.tensorboard = tensorboard
@@ -36,12 +39,14 @@ class MetricsWriter:
 
   def resume(self, phase: str, step: int) -> None:
     """Forget `phase` records after `step` (they belong to the interrupted attempt)."""
+    if not self.enabled:
+      return
     self.forget(phase, step)
     self._writer(phase, purge_step=step + 1)
 
   def forget(self, phase: str, after_step: int | None = None) -> None:
     """Drops `phase` records from metrics.jsonl: those after `after_step`, or all if None."""
-    if os.path.exists(self.path):
+    if self.enabled and os.path.exists(self.path):
       with open(self.path) as f:
         lines = [l for l in f if l.strip()]
       keep = [l for l in lines if not _after(json.loads(l), phase, after_step)]
@@ -54,6 +59,8 @@ class MetricsWriter:
   def write(self, phase: str, step: int | None = None, **values) -> dict:
     """Appends {"phase", "step", **values}; numeric scalars also go to TensorBoard."""
     record = {"phase": phase, **({} if step is None else {"step": int(step)}), **values}
+    if not self.enabled:
+      return record
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     tb = self._writer(phase) if step is not None else None

@@ -39,6 +39,7 @@ class LoopOptions:
   keep: int = 2
   mesh: Any = None                 # jax.sharding.Mesh
   rules: tuple = DEFAULT_RULES
+  stop_after: int | None = None    # end this attempt at that step (saved); re-run to go on
 
   def model_sharding(self, params, config: ModelConfig):
     """Shardings of `params` (either layout) by their logical axes; None without a mesh."""
@@ -65,7 +66,7 @@ def adamw(lr: float, steps: int, warmup: int, clip: float = 1.0):
       optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1))))
 
 
-def _train_step(loss_fn: Callable, opt, out_shardings=None):
+def train_step(loss_fn: Callable, opt, out_shardings=None):
   """jitted (state, *args) -> (state, metrics); loss_fn(params, *args) -> (loss, metrics).
   On a mesh, `out_shardings` keeps the new state where the old one was."""
   def step(state, *args):
@@ -91,7 +92,7 @@ def _init_state(params, opt, loop: LoopOptions, params_sharding):
 def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step=None,
          describe=None, iterators=None, params_sharding=None):
   state, out_shardings = _init_state(params, opt, loop, params_sharding)
-  step = _train_step(loss_fn, opt, out_shardings)
+  step = train_step(loss_fn, opt, out_shardings)
   put = ((lambda x: jnp.asarray(x)) if loop.mesh is None else
          (lambda x: shd.shard_batch(x, loop.mesh, loop.rules)))
 
@@ -104,7 +105,8 @@ def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step
 
   state = run_phase(name, step_fn, state, total, ckpt_dir=loop.ckpt_dir, writer=loop.writer,
                     iterators=iterators or {"train": it}, log_every=loop.log_every,
-                    save_every=loop.save_every, keep=loop.keep, describe=describe)
+                    save_every=loop.save_every, keep=loop.keep, describe=describe,
+                    stop_after=loop.stop_after)
   return state["params"]
 
 
@@ -163,6 +165,22 @@ class ElasticSchedule:
     return int(rng.choice(n, p=p / p.sum()))
 
 
+def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_steps: int,
+                      budget_weight: float = 1.0, hard_prob: float = 0.004):
+  """loss_fn({"model", "router"}, rows, teacher, budget index, step, key) -> (loss, metrics):
+  the elastic phase's per-step objective (also what `elastic_jax.plan` compiles)."""
+  fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
+  n = len(config.budgets)
+
+  def loss_fn(state, x, teacher, b, step, key):
+    x = x[:, :-1]  # KD needs no shifted targets; the row's inputs, as in the other phases
+    t = jax.lax.stop_gradient(apply(teacher, x, config=config))
+    return elastic_loss(state["model"], state["router"], t, x, jax.nn.one_hot(b, n),
+                        fractions[b], step, total_steps, key, config=config, rc=rc,
+                        budget_weight=budget_weight, hard_prob=hard_prob)
+  return loss_fn
+
+
 def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.RouterConfig,
             schedule: ElasticSchedule, stage_batches: dict, loop: LoopOptions, *,
             lr: float = 1e-3, router_lr: float = 1e-2, warmup: int = 10,
@@ -171,16 +189,7 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
   `teacher`. `stage_batches` = {1: stage-1 iterator, 2: stage-2 iterator}. Returns
   (params, router_params)."""
   total = schedule.total
-  fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
-  n = len(config.budgets)
-
-  def loss_fn(state, x, teacher, b, step, key):
-    x = x[:, :-1]  # KD needs no shifted targets; the row's inputs, as in the other phases
-    t = jax.lax.stop_gradient(apply(teacher, x, config=config))
-    return elastic_loss(state["model"], state["router"], t, x, jax.nn.one_hot(b, n),
-                        fractions[b], step, total, key, config=config, rc=rc,
-                        budget_weight=budget_weight, hard_prob=hard_prob)
-
+  loss_fn = elastic_step_loss(config, rc, total, budget_weight, hard_prob)
   base_key = jax.random.PRNGKey(seed)
   teacher = commit(loop.place_model(to_stack_layout(teacher, config), config))
   args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),

@@ -108,9 +108,9 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
   return teacher
 
 
-def router_config(run: Run, total_steps: int) -> router_lib.RouterConfig:
-  """RouterConfig from the run config; tau decays to tau_min at `tau_anneal_frac` of training."""
-  r = run.config.router
+def router_config(config, total_steps: int) -> router_lib.RouterConfig:
+  """RouterConfig from a run config; tau decays to tau_min at `tau_anneal_frac` of training."""
+  r = config.router
   anneal = max(1, int(r.tau_anneal_frac * total_steps))
   return router_lib.RouterConfig(hidden=r.hidden, per_layer=tuple(r.per_layer),
                                  scale_end=r.scale_end, tau_min=r.tau_min,
@@ -140,7 +140,7 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
   c, e = run.config, run.config.elastic
   schedule = phases.ElasticSchedule(len(cfg.budgets), e.stage1_steps, e.stage2_steps, e.p_full,
                                     tuple(e.stage2_probs), c.seed)
-  rc = router_config(run, schedule.total)
+  rc = router_config(run.config, schedule.total)
   L1, L2 = run.seq_lens
   B = c.data.batch
   params, router = phases.elastic(

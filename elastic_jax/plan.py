@@ -1,0 +1,126 @@
+"""The scale plan: compile the real elastic KD train step (student, frozen teacher, router,
+AdamW state) for a config and mesh ahead of time, on fake CPU devices, without allocating a
+weight, and print XLA's per-device memory and the analytic FLOPs per step.
+
+  python -m elastic_jax.plan --config=configs/nano_v3.py --devices=64 --mesh=fsdp:-1
+  python -m elastic_jax.plan --devices=256 --mesh=fsdp:32 --mesh=fsdp:64 --mesh=fsdp:64,tensor:4
+
+Each --mesh is planned in turn: one with -1 spans all --devices, one with fixed sizes the first
+devices it needs.
+
+Both stages are planned (stage 1 at data.seq_len, stage 2 at seq_len x stage2_len_mult) with the
+config's global batch (data.batch); --seq_len / --batch override them.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from absl import flags
+from ml_collections import config_flags
+
+from elastic_jax import cli
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "configs", "nano_v3.py"), "run config (a configs/*.py file)")
+flags.DEFINE_integer("devices", 64, "fake CPU devices to plan on (ignored on an accelerator)")
+flags.DEFINE_multi_string("mesh", ["fsdp:-1"],
+                          "mesh spec(s), e.g. data:1,fsdp:-1,tensor:1,expert:1 (repeatable)")
+flags.DEFINE_list("stages", ["1", "2"], "which elastic stages to plan")
+flags.DEFINE_integer("batch", None, "global batch (default: config.data.batch)")
+flags.DEFINE_integer("seq_len", None, "stage-1 sequence length (default: config.data.seq_len)")
+FLAGS = flags.FLAGS
+
+
+def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
+  """(Memory per device, compile seconds, FLOPs per step) of one elastic KD step."""
+  import jax
+  import jax.numpy as jnp
+
+  from elastic_jax.config import ModelConfig
+  from elastic_jax.elastic import router as router_lib
+  from elastic_jax.elastic.params_count import count_params
+  from elastic_jax.model.model import param_shapes, to_stack_layout
+  from elastic_jax.parallel import plan
+  from elastic_jax.parallel import sharding as shd
+  from elastic_jax.training import phases, pipeline
+
+  c = run_config
+  cfg = ModelConfig.from_dict(c.model.to_dict())
+  rules = tuple(map(tuple, c.parallel.rules))
+  total = c.elastic.stage1_steps + c.elastic.stage2_steps
+  rc = pipeline.router_config(c, total)
+  model = jax.eval_shape(lambda p: to_stack_layout(p, cfg), param_shapes(cfg))
+  router = jax.eval_shape(lambda k: router_lib.init(cfg, rc, k), jax.random.PRNGKey(0))
+  params = {"model": model, "router": router}
+  opt = router_lib.make_optimizer(total, c.elastic.lr, c.elastic.router_lr,
+                                  warmup_steps=c.elastic.warmup)
+  psh = {"model": shd.param_shardings(model, cfg, mesh, rules),
+         "router": shd.replicate_tree(router, mesh)}
+  opt_state = jax.eval_shape(opt.init, params)
+  state_sh = {"params": psh, "opt": shd.opt_state_shardings(opt_state, params, psh, mesh)}
+  state = plan.abstract({"params": params, "opt": opt_state}, state_sh)
+  teacher = plan.abstract(model, psh["model"])
+  rows = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32,
+                              sharding=shd.batch_sharding(mesh, rules))
+  scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shd.replicated(mesh))
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  step = phases.train_step(phases.elastic_step_loss(cfg, rc, total), opt,
+                           (state_sh, shd.replicated(mesh)))
+  with shd.activation_context(mesh, rules):
+    compiled, seconds = plan.compile_aot(step, state, rows, teacher, scalar(jnp.int32),
+                                         scalar(jnp.int32), plan.abstract(key,
+                                                                          shd.replicated(mesh)))
+  return plan.memory_of(compiled), seconds, step_flops(cfg, count_params(cfg).active, batch,
+                                                       seq_len)
+
+
+def step_flops(cfg, active_params: int, batch: int, seq_len: int) -> float:
+  """Analytic FLOPs of one elastic step: student forward + backward (6 N per token) and
+  teacher forward (2 N per token) over the active params, plus causal attention scores and
+  values (4 T d per token per attention layer forward, x3 for the student's backward).
+  The student at the full budget: masked budgets compute at full width."""
+  tokens = batch * seq_len
+  n_attn = cfg.layer_pattern.count("*")
+  attn = 4 * seq_len * cfg.num_attention_heads * cfg.head_dim * n_attn / 2  # causal half
+  return tokens * (8 * active_params + 4 * attn)
+
+
+def main(argv):
+  del argv
+  if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={FLAGS.devices}")
+  import jax
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)   # jax's "no TPU backend" notices
+  from elastic_jax.parallel import mesh as mesh_lib
+
+  c = _CONFIG.value
+  L1 = FLAGS.seq_len or c.data.seq_len
+  B = FLAGS.batch or c.data.batch
+  for stage in FLAGS.stages:
+    if stage not in ("1", "2"):
+      raise ValueError(f"--stages: {stage!r} not in ['1', '2']")
+  meshes = []
+  for spec in FLAGS.mesh:
+    sizes = mesh_lib.parse_mesh(spec)
+    n = len(jax.devices()) if -1 in sizes.values() else math.prod(sizes.values())
+    meshes.append(mesh_lib.make_mesh(sizes, jax.devices()[:n]))
+  print(f"plan: elastic KD step, global batch {B}, on {jax.devices()[0].platform} devices; "
+        "per-device GiB", flush=True)
+  print("| devices | mesh | stage | seq len | arguments | outputs | temporaries | peak | "
+        "TFLOP / step | compile s |")
+  print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+  for mesh in meshes:
+    for stage in FLAGS.stages:
+      L = L1 if stage == "1" else L1 * c.elastic.stage2_len_mult
+      mem, seconds, flops = plan_elastic_step(c, mesh, L, B)
+      g = mem.gib()
+      print(f"| {mesh.size} | {mesh_lib.describe(mesh)} | {stage} | {L:,} | "
+            f"{g['arguments']:.3f} | {g['outputs']:.3f} | {g['temporaries']:.3f} | "
+            f"{g['peak']:.3f} | {flops / 1e12:,.1f} | {seconds:.0f} |", flush=True)
+
+if __name__ == "__main__":
+  cli.run(main)
