@@ -34,7 +34,8 @@ def get_config():
   cfg.data.seq_len, cfg.data.batch = 8192, 64
   cfg.pretrain.steps = 0                     # start from the released parent (--hf_dir)
   cfg.elastic.update(stage1_steps=20_000, stage2_steps=5_000, stage2_len_mult=6, lr=1e-4,
-                     warmup=100, calib_batches=16)  # 1024 x 8192-token calibration
+                     warmup=100, calib_batches=16,  # 1024 x 8192-token calibration
+                     kd_chunk=1024)                 # no [B, 49K, 131K] logits at stage 2
   cfg.checkpoint.save_every = 500
   cfg.log_every = 10
   return cfg

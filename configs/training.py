@@ -28,6 +28,12 @@ def defaults() -> ml_collections.ConfigDict:
           "stage2_probs": (0.5, 0.3, 0.2),    # stage 2: large -> small
           "budget_weight": 1.0, "hard_prob": 0.004,
           "calib_batches": 8,                 # importance ranking before nesting
+          # MoE dispatch of student and teacher: "dense" (every expert on every token; exact
+          # and simple at tiny sizes), "ragged" (grouped matmul of the routed tokens), "gather".
+          "moe_impl": "dense",
+          # > 0: the KD loss runs this many tokens at a time from hidden states, never holding
+          # [batch, seq, vocab] logits (long contexts, large vocabularies); 0: one shot.
+          "kd_chunk": 0,
       },
       "router": {
           "hidden": 256, "per_layer": (), "scale_end": 10.0,

@@ -71,6 +71,10 @@ class ModelConfig:
   # block in the backward pass ("full"), keep its matmul outputs ("save_dots"), or not ("none").
   scan_layers: bool = False
   remat: str = "none"
+  # Full-sequence attention runs in blocks of this many queries, each recomputed in the
+  # backward pass, so memory grows as block x T instead of T x T. Sequences no longer than one
+  # block take the one-shot path.
+  attention_query_block: int = 512
   # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -187,7 +191,7 @@ class ModelConfig:
               "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "mamba_n_groups",
               "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
               "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-              "intermediate_size"):
+              "intermediate_size", "attention_query_block"):
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         err(f, f"must be a positive int, got {v!r}")

@@ -30,6 +30,7 @@ flags.DEFINE_multi_string("mesh", ["fsdp:-1"],
 flags.DEFINE_list("stages", ["1", "2"], "which elastic stages to plan")
 flags.DEFINE_integer("batch", None, "global batch (default: config.data.batch)")
 flags.DEFINE_integer("seq_len", None, "stage-1 sequence length (default: config.data.seq_len)")
+flags.DEFINE_string("moe_impl", None, "MoE dispatch (default: config.elastic.moe_impl)")
 FLAGS = flags.FLAGS
 
 
@@ -66,7 +67,9 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
                               sharding=shd.batch_sharding(mesh, rules))
   scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shd.replicated(mesh))
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  step = phases.train_step(phases.elastic_step_loss(cfg, rc, total), opt,
+  step = phases.train_step(phases.elastic_step_loss(cfg, rc, total,
+                                                    moe_impl=c.elastic.moe_impl,
+                                                    kd_chunk=c.elastic.kd_chunk), opt,
                            (state_sh, shd.replicated(mesh)))
   with shd.activation_context(mesh, rules):
     compiled, seconds = plan.compile_aot(step, state, rows, teacher, scalar(jnp.int32),
@@ -98,6 +101,8 @@ def main(argv):
   from elastic_jax.parallel import mesh as mesh_lib
 
   c = _CONFIG.value
+  if FLAGS.moe_impl:
+    c.elastic.moe_impl = FLAGS.moe_impl
   L1 = FLAGS.seq_len or c.data.seq_len
   B = FLAGS.batch or c.data.batch
   for stage in FLAGS.stages:
@@ -108,8 +113,8 @@ def main(argv):
     sizes = mesh_lib.parse_mesh(spec)
     n = len(jax.devices()) if -1 in sizes.values() else math.prod(sizes.values())
     meshes.append(mesh_lib.make_mesh(sizes, jax.devices()[:n]))
-  print(f"plan: elastic KD step, global batch {B}, on {jax.devices()[0].platform} devices; "
-        "per-device GiB", flush=True)
+  print(f"plan: elastic KD step, global batch {B}, MoE {c.elastic.moe_impl}, on "
+        f"{jax.devices()[0].platform} devices; per-device GiB", flush=True)
   print("| devices | mesh | stage | seq len | arguments | outputs | temporaries | peak | "
         "TFLOP / step | compile s |")
   print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax import apply
+from elastic_jax import apply, from_counts
 from elastic_jax.model import attention as attn_lib
 from elastic_jax.model import mamba2 as mamba_lib
 from elastic_jax.model import mlp as mlp_lib
@@ -118,3 +118,36 @@ def test_attention_reference(cfg, params):
   ref = np.einsum("thk,hkd->td", out, p["o"])
   got, _ = attn_lib.attention(p, jnp.asarray(x), cfg)
   np.testing.assert_allclose(got[0], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [13, 16])   # 13: the last query block is padded
+def test_query_blocked_attention_equals_one_shot(cfg, params, T):
+  """Blocks of 4 queries (each rematerialised) give the one-shot causal attention's values and
+  gradients (fp32), and the whole masked forward is unchanged."""
+  p = _layer(params, cfg, "*")
+  x = jnp.asarray(np.random.RandomState(4).randn(2, T, cfg.hidden_size), jnp.float32)
+  blocked, whole = cfg.replace(attention_query_block=4), cfg.replace(attention_query_block=T)
+  f = lambda p, c: attn_lib.attention(p, x, c)[0]
+  np.testing.assert_allclose(f(p, blocked), f(p, whole), rtol=1e-5, atol=1e-6)
+  loss = lambda p, c: jnp.sum(jnp.sin(f(p, c)))
+  chex.assert_trees_all_close(jax.grad(loss)(p, blocked), jax.grad(loss)(p, whole),
+                              rtol=1e-5, atol=1e-6)
+  toks = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (2, T)), jnp.int32)
+  masks = from_counts(cfg, {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12})
+  np.testing.assert_allclose(apply(params, toks, masks, config=blocked),
+                             apply(params, toks, masks, config=whole), rtol=1e-5, atol=1e-5)
+
+
+def test_query_blocked_attention_memory_is_linear_in_length(cfg, params):
+  """XLA's temp memory for a forward + backward at 4x the length grows ~4x with blocks of 64
+  queries (the T x T scores would grow 16x)."""
+  p = _layer(params, cfg, "*")
+  c = cfg.replace(attention_query_block=64)
+
+  def temp(T):
+    x = jax.ShapeDtypeStruct((1, T, cfg.hidden_size), jnp.float32)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(attn_lib.attention(p, x, c)[0] ** 2)))
+    return g.trace(x).lower().compile().memory_analysis().temp_size_in_bytes
+
+  small, big = temp(512), temp(2048)
+  assert big < 6 * small, (small, big)

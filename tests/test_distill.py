@@ -76,3 +76,40 @@ def test_elastic_loss_hard_straight_through_branch(cfg, params, tokens):
   assert abs(float(soft_kd) - float(metrics["kd"])) > 1e-4   # the branch changes the student
   g = jax.grad(lambda r: f(r, 1.0)[0])(rp)
   assert max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g)) > 0
+
+
+def test_chunked_kd_equals_one_shot(cfg, params, tokens):
+  """The KD term from hidden states, 4 tokens at a time (13 tokens: a padded last chunk), equals
+  forward_kl of the full logits, in value and in the gradients of the student's params and
+  router (fp32); the teacher differs from the student so the KL is not ~0."""
+  import chex
+  from elastic_jax.model.model import apply_hidden
+  from elastic_jax.training.distill import chunked_forward_kl
+  teacher = jax.tree_util.tree_map(lambda x: x * 1.1, params)
+  hidden_t = apply_hidden(teacher, tokens, config=cfg)
+  np.testing.assert_allclose(
+      chunked_forward_kl(hidden_t, apply_hidden(params, tokens, config=cfg), teacher["lm_head"],
+                         params["lm_head"], cfg, 4),
+      forward_kl(apply(teacher, tokens, config=cfg), apply(params, tokens, config=cfg)),
+      rtol=1e-5)
+  rc = R.RouterConfig(hidden=16)
+  rp = R.init(cfg, rc, jax.random.PRNGKey(0))
+  onehot = R.budget_onehot(cfg, "small")
+
+  def loss(p, r, chunk):
+    t = hidden_t if chunk else apply(teacher, tokens, config=cfg)
+    return elastic_loss(p, r, t, tokens, onehot, 0.5, 10, 100, jax.random.PRNGKey(1), config=cfg,
+                        rc=rc, teacher_lm_head=teacher["lm_head"], kd_chunk=chunk)[0]
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+  (v4, g4), (v0, g0) = grad(params, rp, 4), grad(params, rp, 0)
+  np.testing.assert_allclose(v4, v0, rtol=1e-6)
+  chex.assert_trees_all_close(g4, g0, rtol=1e-5, atol=1e-6)
+  assert float(v0) > 1e-3
+
+
+def test_kd_chunk_must_be_a_count(cfg):
+  import pytest
+  from elastic_jax.training import phases
+  with pytest.raises(ValueError, match="elastic.kd_chunk must be an int >= 0"):
+    phases.elastic_step_loss(cfg, R.RouterConfig(hidden=4), 10, kd_chunk=-1)

@@ -44,3 +44,14 @@ def test_plan_cli_on_64_devices(tmp_path):
                                        ["8", "data:1,fsdp:8,tensor:1,expert:1", "1"]]
   peak = [float(row[7]) for row in rows]
   assert 0 < peak[0] < peak[1] < 0.2, rows   # tiny: under 200 MiB; 64 devices hold less than 8
+
+
+def test_plan_compiles_the_configured_moe_dispatch(run_config):
+  """config.elastic.moe_impl reaches the compiled step: the gather dispatch (per-token expert
+  weights) needs more temporaries than the dense one at the same shapes."""
+  mesh = M.make_mesh("fsdp:1", jax.devices()[:1])
+  dense, _, _ = plan_cli.plan_elastic_step(run_config, mesh, 32, 8)
+  c = run_config.copy_and_resolve_references()
+  c.elastic.moe_impl = "gather"
+  gather, _, _ = plan_cli.plan_elastic_step(c, mesh, 32, 8)
+  assert gather.temporaries > 1.5 * dense.temporaries, (gather, dense)

@@ -41,6 +41,28 @@ def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
   return jnp.einsum("bkrts,bskd->btkrd", w, v_BSKd)
 
 
+def attend_causal(q_BTKRd, k_BTKd, v_BTKd, block: int):
+  """Causal attention of a full sequence, `block` queries at a time: each block's scores
+  [block, T] live only inside its (rematerialised) step, so memory is linear in T. Equals
+  `attend` with a lower-triangular mask."""
+  B, T = q_BTKRd.shape[:2]
+  if T <= block:
+    return attend(q_BTKRd, k_BTKd, v_BTKd, jnp.tril(jnp.ones((T, T), bool)))
+  n = -(-T // block)
+  q = jnp.pad(q_BTKRd, ((0, 0), (0, n * block - T)) + ((0, 0),) * 3)  # pad rows see all keys
+  q_NBtKRd = jnp.moveaxis(q.reshape(B, n, block, *q.shape[2:]), 1, 0)
+  col_S = jnp.arange(T)
+
+  @jax.checkpoint
+  def one(args):
+    i, q_BtKRd = args
+    mask = col_S[None, :] <= (i * block + jnp.arange(block))[:, None]
+    return attend(q_BtKRd, k_BTKd, v_BTKd, mask)
+
+  out = jax.lax.map(one, (jnp.arange(n), q_NBtKRd))
+  return jnp.moveaxis(out, 0, 1).reshape(B, n * block, *out.shape[3:])[:, :T]
+
+
 def init_state(c: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
   """Empty KV cache with room for `max_len` tokens."""
   shape = (batch, max_len, c.num_kv_heads, c.head_dim)
@@ -61,7 +83,7 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
   k = jnp.einsum("btd,dhk->bthk", x_BTD, p["k"].astype(dt_))
   v = jnp.einsum("btd,dhk->bthk", x_BTD, p["v"].astype(dt_))
   if state is None:
-    mask = jnp.tril(jnp.ones((T, T), bool))
+    out = attend_causal(q, k, v, c.attention_query_block)
   else:
     put = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype),
                                                           (0, pos, 0, 0))
@@ -71,7 +93,7 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
     row_T = pos + jnp.arange(T)
     # A padding query keeps its own column so its softmax row is never empty (NaN-free).
     mask = ((key_valid_BS[:, None, :] & (col_S <= row_T[:, None])) | (col_S == row_T[:, None]))
-    mask = mask[:, None, None]
-  out = attend(q, k, v, mask).reshape(B, T, c.num_attention_heads, c.head_dim)
+    out = attend(q, k, v, mask[:, None, None])
+  out = out.reshape(B, T, c.num_attention_heads, c.head_dim)
   out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
   return out, {"stats": None, "state": state}

@@ -96,6 +96,7 @@ class ElasticLM(nn.Module):
   moe_impl: str = "dense"
   ssd: str = "chunked"
   collect: bool = False
+  head: bool = True   # False: return the final (normed, masked) hidden states instead of logits
 
   @nn.compact
   def __call__(self, tokens_BT, masks: BudgetMasks | None = None, *, cache=None, valid_BT=None):
@@ -115,11 +116,16 @@ class ElasticLM(nn.Module):
                                    self.collect, name="layers")(
         x, layer_masks(masks, c.layer_pattern), hm, cache, valid_BT)
     x = RMSNorm(c.hidden_size, c.norm_eps, c.param_dtype, name="final_norm")(x, hm)
-    dt_ = jnp.dtype(c.compute_dtype)
-    logits = jnp.einsum("btd,dv->btv", x.astype(dt_), p["lm_head"].astype(dt_),
-                        preferred_element_type=jnp.float32)
-    return logits, {"stats": stats,
-                    "cache": None if cache is None else {**cache, "layers": new_layers}}
+    out = lm_head(x, p["lm_head"], c) if self.head else x
+    return out, {"stats": stats,
+                 "cache": None if cache is None else {**cache, "layers": new_layers}}
+
+
+def lm_head(x_BTD, w_DV, c: ModelConfig):
+  """Logits [..., V] in fp32 from final hidden states (matmul in `compute_dtype`)."""
+  dt_ = jnp.dtype(c.compute_dtype)
+  return jnp.einsum("...d,dv->...v", x_BTD.astype(dt_), w_DV.astype(dt_),
+                    preferred_element_type=jnp.float32)
 
 
 class _Layers(nn.Module):

@@ -148,6 +148,17 @@ def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: 
   return (logits, aux["stats"]) if collect else logits
 
 
+def apply_hidden(params: dict, tokens_BT, masks: BudgetMasks | None = None, *,
+                 config: ModelConfig, moe_impl: str = "dense", stack: str | None = None):
+  """The final normed hidden states [B,T,D] (fp32) that `apply` multiplies by the lm_head
+  (`lm.lm_head`): for losses that apply the head chunk by chunk."""
+  if stack is None:
+    stack = "scan" if is_scanned(params) else stack_for(config)
+  hidden, _ = _forward_jit(params, jnp.asarray(tokens_BT), masks, config, moe_impl, "chunked",
+                           False, stack, head=False)
+  return hidden
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
   """Empty decode cache for `batch` streams of up to `max_len` tokens: per layer a KV cache
   ('*'), conv + SSM state ('M') or nothing; `pos` = columns used, `key_valid` [B,max_len]
@@ -196,7 +207,7 @@ def check_params(params, config: ModelConfig) -> None:
 
 
 def _forward(params, tokens_BT, masks, c: ModelConfig, moe_impl, ssd, collect, stack,
-             cache=None, valid_BT=None):
+             cache=None, valid_BT=None, head=True):
   if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
     raise ValueError(f"tokens must be an int array [batch, time], got {tokens_BT.dtype} "
                      f"{tokens_BT.shape}")
@@ -208,10 +219,11 @@ def _forward(params, tokens_BT, masks, c: ModelConfig, moe_impl, ssd, collect, s
     check_params(params, c)
     if stack == "scan" and plan is not None and c.is_homogeneous:  # else ElasticLM says why not
       params = layouts.to_scanned(params, plan)
-  module = ElasticLM(c, stack=stack, remat=c.remat, moe_impl=moe_impl, ssd=ssd, collect=collect)
+  module = ElasticLM(c, stack=stack, remat=c.remat, moe_impl=moe_impl, ssd=ssd, collect=collect,
+                     head=head)
   return module.apply({"params": params}, tokens_BT, masks, cache=cache, valid_BT=valid_BT)
 
 
 # Eager callers (tests, evaluation, notebooks) get one compiled program per shape instead of one
 # per op; under an outer jit or grad this is an ordinary nested call.
-_forward_jit = jax.jit(_forward, static_argnums=(3, 4, 5, 6, 7))
+_forward_jit = jax.jit(_forward, static_argnums=(3, 4, 5, 6, 7), static_argnames=("head",))

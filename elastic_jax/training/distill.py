@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import ModelConfig
-from elastic_jax.model.model import apply
+from elastic_jax.model.lm import lm_head
+from elastic_jax.model.model import apply, apply_hidden
 
 
 def forward_kl(teacher_logits, student_logits, weights=None):
@@ -23,10 +24,36 @@ def forward_kl(teacher_logits, student_logits, weights=None):
   return jnp.sum(kl * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+def chunked_forward_kl(teacher_BTD, student_BTD, teacher_head_DV, student_head_DV,
+                       config: ModelConfig, chunk: int):
+  """`forward_kl` of the two models' logits, computed `chunk` tokens at a time from their final
+  hidden states and lm_heads: each chunk's [B, chunk, V] logits exist only inside its
+  (rematerialised) scan step, so neither model's [B, T, V] logits are ever held."""
+  B, T, D = student_BTD.shape
+  n = -(-T // chunk)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, n * chunk - T), (0, 0)))
+  split = lambda x: jnp.moveaxis(pad(x).reshape(B, n, chunk, -1), 1, 0)   # [n, B, chunk, .]
+
+  @jax.checkpoint
+  def one(total, xs):
+    t, s = xs   # zero-padded tokens give both models all-zero logits: KL 0
+    t = jax.nn.log_softmax(lm_head(t, teacher_head_DV, config), -1)
+    s = jax.nn.log_softmax(lm_head(s, student_head_DV, config), -1)
+    return total + jnp.sum(jnp.exp(t) * (t - s)), None
+
+  total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (split(teacher_BTD), split(student_BTD)))
+  return total / (B * T)
+
+
 def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction, step,
                  total_steps, key, *, config: ModelConfig, rc: router_lib.RouterConfig,
-                 budget_weight: float = 1.0, hard_prob: float = 0.004, moe_impl: str = "dense"):
-  """(loss, metrics) for one micro-batch at one budget. `fraction` is the budget's target."""
+                 budget_weight: float = 1.0, hard_prob: float = 0.004, moe_impl: str = "dense",
+                 teacher_lm_head=None, kd_chunk: int = 0):
+  """(loss, metrics) for one micro-batch at one budget. `fraction` is the budget's target.
+
+  With `kd_chunk` > 0, `teacher_logits` is the teacher's final hidden states [B,T,D]
+  (`model.apply_hidden`) and `teacher_lm_head` its head: the KD term runs `kd_chunk` tokens at
+  a time (`chunked_forward_kl`), never holding full-vocabulary logits."""
   scale = router_lib.logit_scale(step, total_steps, rc)
   tau = router_lib.temperature(step, rc)
   logits = router_lib.logits(router_params, onehot, config, rc)
@@ -39,8 +66,12 @@ def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction
     probs[name] = jnp.where(hard, st, soft)
     router_probs[name] = jax.nn.softmax(lg * scale, -1)
   masks = router_lib.masks_from_probs(probs, config, "soft")
-  student = apply(params, tokens, masks, config=config, moe_impl=moe_impl)
-  kd = forward_kl(teacher_logits, student)
+  if kd_chunk:
+    student = apply_hidden(params, tokens, masks, config=config, moe_impl=moe_impl)
+    kd = chunked_forward_kl(teacher_logits, student, teacher_lm_head, params["lm_head"], config,
+                            kd_chunk)
+  else:
+    kd = forward_kl(teacher_logits, apply(params, tokens, masks, config=config, moe_impl=moe_impl))
   # The budget loss on the Gumbel sample (as the paper) meets KD's gradient where it acts;
   # the same loss on the argmax architecture (what is deployed, with the gradient of the
   # router's distribution pi) keeps pi's mode inside the band, where the sample-based term has

@@ -25,7 +25,7 @@ from elastic_jax.parallel import sharding as shd
 from elastic_jax.parallel.rules import DEFAULT_RULES
 from elastic_jax.training.distill import elastic_loss, forward_kl
 from elastic_jax.training.loop import commit, run_phase
-from elastic_jax.model.model import apply, to_canonical, to_stack_layout
+from elastic_jax.model.model import apply, apply_hidden, to_canonical, to_stack_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,30 +166,39 @@ class ElasticSchedule:
 
 
 def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_steps: int,
-                      budget_weight: float = 1.0, hard_prob: float = 0.004):
+                      budget_weight: float = 1.0, hard_prob: float = 0.004,
+                      moe_impl: str = "dense", kd_chunk: int = 0):
   """loss_fn({"model", "router"}, rows, teacher, budget index, step, key) -> (loss, metrics):
-  the elastic phase's per-step objective (also what `elastic_jax.plan` compiles)."""
+  the elastic phase's per-step objective (also what `elastic_jax.plan` compiles). `moe_impl`
+  is the MoE dispatch of student and teacher (`model.moe.MOE_IMPLS`); `kd_chunk` > 0 runs the
+  KD term that many tokens at a time from hidden states (`distill.chunked_forward_kl`)."""
+  if not isinstance(kd_chunk, int) or kd_chunk < 0:
+    raise ValueError(f"elastic.kd_chunk must be an int >= 0 (0: unchunked), got {kd_chunk!r}")
   fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
   n = len(config.budgets)
 
   def loss_fn(state, x, teacher, b, step, key):
     x = x[:, :-1]  # KD needs no shifted targets; the row's inputs, as in the other phases
-    t = jax.lax.stop_gradient(apply(teacher, x, config=config))
+    fwd = apply_hidden if kd_chunk else apply
+    t = jax.lax.stop_gradient(fwd(teacher, x, config=config, moe_impl=moe_impl))
     return elastic_loss(state["model"], state["router"], t, x, jax.nn.one_hot(b, n),
                         fractions[b], step, total_steps, key, config=config, rc=rc,
-                        budget_weight=budget_weight, hard_prob=hard_prob)
+                        budget_weight=budget_weight, hard_prob=hard_prob, moe_impl=moe_impl,
+                        teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]),
+                        kd_chunk=kd_chunk)
   return loss_fn
 
 
 def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.RouterConfig,
             schedule: ElasticSchedule, stage_batches: dict, loop: LoopOptions, *,
             lr: float = 1e-3, router_lr: float = 1e-2, warmup: int = 10,
-            budget_weight: float = 1.0, hard_prob: float = 0.004, seed: int = 0):
+            budget_weight: float = 1.0, hard_prob: float = 0.004, seed: int = 0,
+            moe_impl: str = "dense", kd_chunk: int = 0):
   """Elastic KD of the nested `params` (student, initialised from the parent) against the frozen
   `teacher`. `stage_batches` = {1: stage-1 iterator, 2: stage-2 iterator}. Returns
   (params, router_params)."""
   total = schedule.total
-  loss_fn = elastic_step_loss(config, rc, total, budget_weight, hard_prob)
+  loss_fn = elastic_step_loss(config, rc, total, budget_weight, hard_prob, moe_impl, kd_chunk)
   base_key = jax.random.PRNGKey(seed)
   teacher = commit(loop.place_model(to_stack_layout(teacher, config), config))
   args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),

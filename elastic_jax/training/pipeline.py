@@ -147,7 +147,8 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
       teacher, teacher, cfg, router_lib.init(cfg, rc, jax.random.PRNGKey(c.seed + 1)), rc,
       schedule, {1: td.iterator(L1, B, c.seed + 1), 2: td.iterator(L2, B, c.seed + 3)},
       run.loop("elastic"), lr=e.lr, router_lr=e.router_lr, warmup=e.warmup,
-      budget_weight=e.budget_weight, hard_prob=e.hard_prob, seed=c.seed)
+      budget_weight=e.budget_weight, hard_prob=e.hard_prob, seed=c.seed, moe_impl=e.moe_impl,
+      kd_chunk=e.kd_chunk)
   counts = {n: router_lib.chosen_counts(router, cfg, rc, n) for n in cfg.budget_names}
   checkpoint.save(os.path.join(run.workdir, "nested"), params, cfg, router=router,
                   budget_counts=counts, tokenizer=run.tokenizer_path,
