@@ -57,11 +57,9 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
   params = {"model": model, "router": router}
   opt = router_lib.make_optimizer(total, c.elastic.lr, c.elastic.router_lr,
                                   warmup_steps=c.elastic.warmup)
-  psh = {"model": shd.param_shardings(model, cfg, mesh, rules),
-         "router": shd.replicate_tree(router, mesh)}
-  opt_state = jax.eval_shape(opt.init, params)
-  state_sh = {"params": psh, "opt": shd.opt_state_shardings(opt_state, params, psh, mesh)}
-  state = plan.abstract({"params": params, "opt": opt_state}, state_sh)
+  psh = phases.elastic_params_sharding(model, router, cfg, mesh, rules)
+  state_sh = phases.state_shardings(opt, params, psh, mesh)
+  state = plan.abstract({"params": params, "opt": jax.eval_shape(opt.init, params)}, state_sh)
   teacher = plan.abstract(model, psh["model"])
   rows = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32,
                               sharding=shd.batch_sharding(mesh, rules))

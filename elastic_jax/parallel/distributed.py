@@ -52,9 +52,9 @@ def allgather_json(value) -> list:
     return [value]
   from jax.experimental import multihost_utils
   raw = np.frombuffer(json.dumps(value).encode(), np.uint8)
-  n = int(np.max(multihost_utils.process_allgather(np.asarray([raw.size], np.int32))))
+  sizes = multihost_utils.process_allgather(np.asarray([raw.size], np.int32)).reshape(-1)
+  n = int(sizes.max())
   padded = np.zeros(n, np.uint8)
   padded[:raw.size] = raw
-  sizes = multihost_utils.process_allgather(np.asarray([raw.size], np.int32)).reshape(-1)
   rows = multihost_utils.process_allgather(padded).reshape(len(sizes), n)
   return [json.loads(bytes(r[:s]).decode()) for r, s in zip(rows, sizes)]

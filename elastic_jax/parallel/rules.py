@@ -29,6 +29,11 @@ DEFAULT_RULES: tuple = (
 )
 
 
+def mesh_axes_of(axes) -> tuple[str, ...]:
+  """A rule's right-hand side (None, one mesh axis or several) as a tuple of mesh axes."""
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def validate(rules: Rules, mesh_axes: Sequence[str]) -> tuple:
   """The rules as a tuple of pairs, each mesh axis known; clear errors otherwise."""
   out = []
@@ -36,8 +41,7 @@ def validate(rules: Rules, mesh_axes: Sequence[str]) -> tuple:
     if len(rule) != 2 or not isinstance(rule[0], str):
       raise ValueError(f"sharding rule {i} {rule!r}: expected (logical_name, mesh_axes)")
     name, axes = rule
-    axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    unknown = [a for a in axes_t if a not in mesh_axes]
+    unknown = [a for a in mesh_axes_of(axes) if a not in mesh_axes]
     if unknown:
       raise ValueError(f"sharding rule for {name!r}: unknown mesh axes {unknown}; the mesh has "
                        f"{list(mesh_axes)}")

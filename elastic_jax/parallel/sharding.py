@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import model as model_lib
-from elastic_jax.parallel.rules import DEFAULT_RULES, Rules, validate
+from elastic_jax.parallel.rules import DEFAULT_RULES, Rules, mesh_axes_of, validate
 
 
 def spec_for(shape, logical, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> P:
@@ -27,9 +27,8 @@ def spec_for(shape, logical, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> P:
   wanted = nn.logical_to_mesh_axes(tuple(logical), validate(rules, mesh.axis_names))
   used, out = set(), []
   for dim, axes in zip(shape, wanted):
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     keep, size = [], 1
-    for a in axes:
+    for a in mesh_axes_of(axes):
       n = mesh.shape[a]
       if n > 1 and a not in used and dim % (size * n) == 0:
         keep.append(a)
@@ -68,8 +67,7 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
 
 def _batch_axes(mesh: Mesh, rules: Rules) -> tuple:
   wanted = nn.logical_to_mesh_axes(("batch",), validate(rules, mesh.axis_names))[0]
-  wanted = () if wanted is None else (wanted,) if isinstance(wanted, str) else tuple(wanted)
-  return tuple(a for a in wanted if mesh.shape[a] > 1)
+  return tuple(a for a in mesh_axes_of(wanted) if mesh.shape[a] > 1)
 
 
 def shard_batch(x, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:
@@ -77,11 +75,12 @@ def shard_batch(x, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:
   multi-process run `x` is this process's part: the global batch is every process's rows in
   process order."""
   s = batch_sharding(mesh, rules)
-  n = int(np.prod([mesh.shape[a] for a in _batch_axes(mesh, rules)]))
+  axes = mesh_axes_of(s.spec[0])
+  n = int(np.prod([mesh.shape[a] for a in axes]))
   rows = np.shape(x)[0] * jax.process_count()
   if rows % n:
     raise ValueError(f"batch of {rows} rows does not split over {n} devices "
-                     f"(mesh axes {_batch_axes(mesh, rules)}); use a multiple of {n}")
+                     f"(mesh axes {axes}); use a multiple of {n}")
   if jax.process_count() > 1:
     return jax.make_array_from_process_local_data(s, np.asarray(x))
   return jax.device_put(x, s)

@@ -77,16 +77,30 @@ def train_step(loss_fn: Callable, opt, out_shardings=None):
   return jax.jit(step) if out_shardings is None else jax.jit(step, out_shardings=out_shardings)
 
 
+def state_shardings(opt, params, params_sharding, mesh) -> dict:
+  """Shardings of a train state {"params", "opt"}: the params' own, and the optimizer state
+  sharded as the params it mirrors (`params` may be arrays or ShapeDtypeStructs)."""
+  return {"params": params_sharding,
+          "opt": shd.opt_state_shardings(jax.eval_shape(opt.init, params), params,
+                                         params_sharding, mesh)}
+
+
+def elastic_params_sharding(model, router, config: ModelConfig, mesh, rules=DEFAULT_RULES):
+  """Shardings of the elastic phase's {"model", "router"}: the model by its logical axes, the
+  small router replicated."""
+  return {"model": shd.param_shardings(model, config, mesh, rules),
+          "router": shd.replicate_tree(router, mesh)}
+
+
 def _init_state(params, opt, loop: LoopOptions, params_sharding):
   """{"params", "opt"}: on one device as given; on a mesh, params placed by `params_sharding`
   and the optimizer state created in place, sharded as the params it mirrors."""
   if loop.mesh is None:
     return commit({"params": params, "opt": opt.init(params)}), None
-  opt_sh = shd.opt_state_shardings(jax.eval_shape(opt.init, params), params, params_sharding,
-                                   loop.mesh)
+  sh = state_shardings(opt, params, params_sharding, loop.mesh)
   params = jax.device_put(params, params_sharding)
-  state = {"params": params, "opt": jax.jit(opt.init, out_shardings=opt_sh)(params)}
-  return state, ({"params": params_sharding, "opt": opt_sh}, shd.replicated(loop.mesh))
+  state = {"params": params, "opt": jax.jit(opt.init, out_shardings=sh["opt"])(params)}
+  return state, (sh, shd.replicated(loop.mesh))
 
 
 def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step=None,
@@ -206,9 +220,8 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
   opt = router_lib.make_optimizer(total, lr, router_lr, warmup_steps=warmup)
   names = config.budget_names
   params = to_stack_layout(params, config)
-  sharding = None if loop.mesh is None else {  # the router is small: replicated
-      "model": loop.model_sharding(params, config),
-      "router": shd.replicate_tree(router_params, loop.mesh)}
+  sharding = None if loop.mesh is None else elastic_params_sharding(
+      params, router_params, config, loop.mesh, loop.rules)
   state = _run("elastic", loss_fn, {"model": params, "router": router_params}, opt, total,
                lambda i: stage_batches[schedule.stage(i)], loop, args,
                describe=lambda i: f"stage {schedule.stage(i)} budget {names[schedule.budget(i)]}",
