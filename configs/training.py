@@ -19,11 +19,12 @@ def defaults() -> ml_collections.ConfigDict:
           "seq_len": 64,           # pretraining / stage-1 length; stage 2 uses seq_len x stage2_len_mult
           "batch": 16,
       },
-      "pretrain": {"steps": 600, "lr": 3e-3, "warmup": 20},
+      "pretrain": {"steps": 600, "lr": 3e-3, "warmup": 20, "weight_decay": 1e-4},
       "elastic": {
           "stage1_steps": 150, "stage2_steps": 50,
           "stage2_len_mult": 2,
           "lr": 1e-3, "router_lr": 1e-2, "warmup": 10,
+          "weight_decay": 0.0,                # model only, masked by kind (training/optim.py)
           "p_full": 0.33,                     # stage 1: full budget, else uniform over the rest
           "stage2_probs": (0.5, 0.3, 0.2),    # stage 2: large -> small
           "budget_weight": 1.0, "hard_prob": 0.004,
@@ -45,6 +46,9 @@ def defaults() -> ml_collections.ConfigDict:
       "eval": {"n_reasoning": 64, "sources": ("chain_arithmetic",), "max_think_tokens": 48,
                "max_answer_tokens": 8},
       "checkpoint": {"save_every": 50, "keep": 2},
+      # Weights a phase trains: "float32" masters (AdamW state fp32 too), cast to the model's
+      # param_dtype each step; "param": weights as stored (bf16 at scale), moments still fp32.
+      "optim": {"master": "float32"},
       "parallel": {
           # "" runs on one device; else e.g. "data:1,fsdp:-1,tensor:1,expert:1" (-1 fills the
           # rest). Training phases shard params, optimizer state, teacher and batches over it.

@@ -38,6 +38,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
   import jax
 
+  from elastic_jax import rng
   from elastic_jax.inference import budget_control as bc
   from elastic_jax.inference.generate import Sampler
   family = bc.load_family(FLAGS.checkpoint, mode=FLAGS.mode)
@@ -49,7 +50,7 @@ def main(argv):
   res = bc.think_then_answer(think, answer, prompts, FLAGS.max_think_tokens,
                              FLAGS.max_answer_tokens, **bc.special_ids(family.tokenizer),
                              sampler=Sampler(FLAGS.temperature, FLAGS.top_p),
-                             key=jax.random.PRNGKey(FLAGS.seed), continue_cache=FLAGS.transplant,
+                             key=rng.key(FLAGS.seed, "sampling"), continue_cache=FLAGS.transplant,
                              on_token=printer, max_len=FLAGS.max_len)
   printer.finish()
   dt = time.perf_counter() - t0

@@ -31,11 +31,14 @@ flags.DEFINE_list("stages", ["1", "2"], "which elastic stages to plan")
 flags.DEFINE_integer("batch", None, "global batch (default: config.data.batch)")
 flags.DEFINE_integer("seq_len", None, "stage-1 sequence length (default: config.data.seq_len)")
 flags.DEFINE_string("moe_impl", None, "MoE dispatch (default: config.elastic.moe_impl)")
+flags.DEFINE_bool("donate", True, "the step donates its state (as training does); --nodonate "
+                  "shows what donation saves")
 FLAGS = flags.FLAGS
 
 
-def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
-  """(Memory per device, compile seconds, FLOPs per step) of one elastic KD step."""
+def plan_elastic_step(run_config, mesh, seq_len: int, batch: int, donate: bool = True):
+  """(Memory per device, compile seconds, FLOPs per step) of one elastic KD step, its state
+  donated or not."""
   import jax
   import jax.numpy as jnp
 
@@ -45,7 +48,7 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
   from elastic_jax.model.model import param_shapes, to_stack_layout
   from elastic_jax.parallel import plan
   from elastic_jax.parallel import sharding as shd
-  from elastic_jax.training import phases, pipeline
+  from elastic_jax.training import optim, phases, pipeline
 
   c = run_config
   cfg = ModelConfig.from_dict(c.model.to_dict())
@@ -55,8 +58,11 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
   model = jax.eval_shape(lambda p: to_stack_layout(p, cfg), param_shapes(cfg))
   router = jax.eval_shape(lambda k: router_lib.init(cfg, rc, k), jax.random.PRNGKey(0))
   params = {"model": model, "router": router}
-  opt = router_lib.make_optimizer(total, c.elastic.lr, c.elastic.router_lr,
-                                  warmup_steps=c.elastic.warmup)
+  opt = optim.elastic_adamw(total, c.elastic.lr, c.elastic.router_lr, c.elastic.weight_decay,
+                            warmup_steps=c.elastic.warmup)
+  # The step trains the master weights (fp32 or as stored) and casts them to the stored dtypes.
+  stored = params
+  params = optim.master_weights(params, c.optim.master)
   psh = phases.elastic_params_sharding(model, router, cfg, mesh, rules)
   state_sh = phases.state_shardings(opt, params, psh, mesh)
   state = plan.abstract({"params": params, "opt": jax.eval_shape(opt.init, params)}, state_sh)
@@ -65,10 +71,10 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int):
                               sharding=shd.batch_sharding(mesh, rules))
   scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shd.replicated(mesh))
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  step = phases.train_step(phases.elastic_step_loss(cfg, rc, total,
-                                                    moe_impl=c.elastic.moe_impl,
-                                                    kd_chunk=c.elastic.kd_chunk), opt,
-                           (state_sh, shd.replicated(mesh)))
+  loss_fn = phases.elastic_step_loss(cfg, rc, total, moe_impl=c.elastic.moe_impl,
+                                     kd_chunk=c.elastic.kd_chunk)
+  step = phases.train_step(optim.cast_for_step(loss_fn, stored), opt,
+                           (state_sh, shd.replicated(mesh)), donate=donate)
   with shd.activation_context(mesh, rules):
     compiled, seconds = plan.compile_aot(step, state, rows, teacher, scalar(jnp.int32),
                                          scalar(jnp.int32), plan.abstract(key,
@@ -111,7 +117,8 @@ def main(argv):
     sizes = mesh_lib.parse_mesh(spec)
     n = len(jax.devices()) if -1 in sizes.values() else math.prod(sizes.values())
     meshes.append(mesh_lib.make_mesh(sizes, jax.devices()[:n]))
-  print(f"plan: elastic KD step, global batch {B}, MoE {c.elastic.moe_impl}, on "
+  print(f"plan: elastic KD step, global batch {B}, MoE {c.elastic.moe_impl}, master weights "
+        f"{c.optim.master}, state {'donated' if FLAGS.donate else 'not donated'}, on "
         f"{jax.devices()[0].platform} devices; per-device GiB", flush=True)
   print("| devices | mesh | stage | seq len | arguments | outputs | temporaries | peak | "
         "TFLOP / step | compile s |")
@@ -119,7 +126,7 @@ def main(argv):
   for mesh in meshes:
     for stage in FLAGS.stages:
       L = L1 if stage == "1" else L1 * c.elastic.stage2_len_mult
-      mem, seconds, flops = plan_elastic_step(c, mesh, L, B)
+      mem, seconds, flops = plan_elastic_step(c, mesh, L, B, FLAGS.donate)
       g = mem.gib()
       print(f"| {mesh.size} | {mesh_lib.describe(mesh)} | {stage} | {L:,} | "
             f"{g['arguments']:.3f} | {g['outputs']:.3f} | {g['temporaries']:.3f} | "

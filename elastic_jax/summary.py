@@ -25,7 +25,7 @@ def main(argv):
   import jax.numpy as jnp
 
   from configs import model_config
-  from elastic_jax import apply, count_params, from_counts, init
+  from elastic_jax import apply, count_params, from_counts, init, rng
   from elastic_jax.io import hf
   from elastic_jax.elastic.axes import AXES
 
@@ -33,13 +33,13 @@ def main(argv):
     cfg, params = hf.load_pretrained(FLAGS.hf_dir)
   else:
     cfg = model_config(FLAGS.config)
-    params = init(cfg, jax.random.PRNGKey(FLAGS.seed))
+    params = init(cfg, rng.key(FLAGS.seed, "init"))
   full = count_params(cfg)
   print(f"pattern {cfg.layer_pattern} ({cfg.num_layers} layers), hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}")
   print(f"full model: {full.total:,} total / {full.active:,} active params "
         f"({full.active_without_embedding:,} without input embedding)")
-  tokens = jax.random.randint(jax.random.PRNGKey(FLAGS.seed), (FLAGS.batch, FLAGS.seq_len), 0,
+  tokens = jax.random.randint(rng.key(FLAGS.seed, "tokens"), (FLAGS.batch, FLAGS.seq_len), 0,
                               cfg.vocab_size)
   fwd = jax.jit(lambda p, t, m: apply(p, t, m, config=cfg))
   header = f"{'level':>5} | " + " | ".join(f"{n:>11}" for n in AXES) + \

@@ -55,9 +55,7 @@ def main(argv):
   del argv
   from absl import logging
   logging.set_verbosity(logging.ERROR)
-  import jax
-
-  from elastic_jax import count_params, init
+  from elastic_jax import count_params, init, rng
   from elastic_jax.training import evaluate, phases, pipeline
   from elastic_jax.elastic.slicing import slice_params
 
@@ -91,15 +89,18 @@ def main(argv):
     elastic_p, small_cfg = slice_params(family.params, cfg, counts)
     active = count_params(small_cfg).active
     rows.append(("elastic", name, active, elastic_tokens, *evaluate_model(elastic_p, small_cfg)))
-    scratch = phases.pretrain(init(small_cfg, jax.random.PRNGKey(config.seed)), small_cfg,
-                              td.iterator(L1, B, config.seed), config.pretrain.steps,
-                              run.loop(f"scratch_{name}"), lr=config.pretrain.lr,
-                              warmup=config.pretrain.warmup, name=f"scratch_{name}")
+    scratch = phases.pretrain(init(small_cfg, rng.key(config.seed, "init")), small_cfg,
+                              td.iterator(L1, B, rng.seed_for(config.seed, "pretrain_data")),
+                              config.pretrain.steps, run.loop(f"scratch_{name}"),
+                              lr=config.pretrain.lr, warmup=config.pretrain.warmup,
+                              weight_decay=config.pretrain.weight_decay, name=f"scratch_{name}")
     rows.append(("scratch", name, active, parent_tokens, *evaluate_model(scratch, small_cfg)))
     pruned, _ = slice_params(teacher, cfg, counts)
-    minitron = phases.distill(pruned, small_cfg, teacher, cfg, td.iterator(L1, B, config.seed + 1),
+    minitron = phases.distill(pruned, small_cfg, teacher, cfg,
+                              td.iterator(L1, B, rng.seed_for(config.seed, "stage1_data")),
                               distill_steps, run.loop(f"minitron_{name}"), lr=config.elastic.lr,
-                              warmup=config.elastic.warmup, name=f"minitron_{name}")
+                              warmup=config.elastic.warmup,
+                              weight_decay=config.elastic.weight_decay, name=f"minitron_{name}")
     rows.append(("minitron", name, active, distill_steps * B * L1,
                  *evaluate_model(minitron, small_cfg)))
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from elastic_jax.inference import budget_control as bc
-from elastic_jax import from_counts
+from elastic_jax import from_counts, rng
 from elastic_jax.io import checkpoint
 from elastic_jax.inference import generate as G
 from elastic_jax.training import data
@@ -220,7 +220,7 @@ def test_generate_cli_masked_continue_cache_sampled(tiny_ckpt):
   fam = bc.load_family(tiny_ckpt, mode="masked")
   prompt, special = bc.prompt_ids(fam.tokenizer, q), bc.special_ids(fam.tokenizer)
   sampled, greedy = (bc.think_then_answer(fam.get("small"), fam.get("full"), [prompt], 6, 4,
-                                          sampler=s, key=jax.random.PRNGKey(3),
+                                          sampler=s, key=rng.key(3, "sampling"),
                                           continue_cache=True, max_len=QUICK_LEN, **special)[0]
                      for s in (G.Sampler(1.5), G.Sampler()))
   assert (sampled.think, sampled.answer) != (greedy.think, greedy.answer)

@@ -13,7 +13,7 @@ from elastic_jax.elastic import router as R
 from elastic_jax.model.model import to_stack_layout
 from elastic_jax.parallel import mesh as M
 from elastic_jax.parallel import sharding as S
-from elastic_jax.training import data, phases
+from elastic_jax.training import data, optim, phases
 from elastic_jax.training.metrics import MetricsWriter
 
 COUNTS = {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12}
@@ -96,7 +96,7 @@ def test_optimizer_state_is_sharded_as_its_params(cfg, params, mesh):
   """The elastic optimizer (optax.multi_transform over model and router): each AdamW moment of a
   model leaf is sharded as that leaf; step counts and the small router stay replicated."""
   tree = {"model": params, "router": R.init(cfg, R.RouterConfig(hidden=16), jax.random.PRNGKey(0))}
-  opt = R.make_optimizer(10, 1e-3, 1e-2)
+  opt = optim.elastic_adamw(10, 1e-3, 1e-2)
   psh = {"model": S.param_shardings(params, cfg, mesh),
          "router": S.replicate_tree(tree["router"], mesh)}
   state = jax.jit(opt.init, out_shardings=S.opt_state_shardings(

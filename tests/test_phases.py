@@ -3,6 +3,7 @@ fixed-student distillation."""
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -88,3 +89,23 @@ def test_pretrain_scanned_stack_equals_loop(cfg, params, tmp_path):
   assert phases.to_stack_layout(params, cfg.replace(scan_layers=True))["layers"].keys() >= {"units"}
   chex.assert_trees_all_close(out[True], out[False], rtol=1e-4, atol=1e-5)
   assert not np.allclose(out[True]["embed"], params["embed"])
+
+
+def test_bf16_model_trains_fp32_masters(cfg, params, tmp_path):
+  """A bf16 model: the phase checkpoints fp32 master weights (and fp32 moments), returns the
+  params in bf16, and leaves the caller's arrays alive although every step donates its state."""
+  import orbax.checkpoint as ocp
+  from elastic_jax.training import optim
+  bcfg = cfg.replace(param_dtype="bfloat16")
+  bparams = optim.to_dtype(params, jnp.bfloat16)
+  it = iter(data.make_dataset(_rows(cfg, n=8), 4, shard_index=0, shard_count=1))
+  loop = _loop(tmp_path, "bf16")
+  out = phases.pretrain(bparams, bcfg, it, 2, loop, lr=1e-2, warmup=1)
+  assert {x.dtype for x in jax.tree.leaves(out)} == {jnp.dtype(jnp.bfloat16)}
+  assert not any(x.is_deleted() for x in jax.tree.leaves(bparams))
+  meta = ocp.StandardCheckpointer().metadata(f"{loop.ckpt_dir}/2/state").item_metadata.tree
+  dtypes = lambda t: {m.dtype for m in jax.tree.leaves(t, is_leaf=lambda x: hasattr(x, "dtype"))
+                      if len(m.shape)}
+  assert dtypes(meta["params"]) == dtypes(meta["opt"]) == {jnp.dtype(jnp.float32)}
+  assert not np.array_equal(np.asarray(out["embed"], np.float32),
+                            np.asarray(bparams["embed"], np.float32))

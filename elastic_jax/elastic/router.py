@@ -202,22 +202,3 @@ def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
     anchor = anchor + jnp.mean(jnp.square(pi - target))
   # `fraction` may be traced (one compiled step serves every budget).
   return loss + jnp.where(jnp.asarray(fraction) >= 1.0, rc.anchor_weight * anchor, 0.0)
-
-
-def make_optimizer(total_steps: int, model_lr: float = 1e-4, router_lr: float = 1e-2,
-                   weight_decay: float = 0.0, clip: float = 1.0, warmup_steps: int = 0):
-  """AdamW with cosine decay and global-norm clipping, router params in their own group.
-
-  Applies to a state tree {"model": params, "router": router_params}.
-  """
-  import optax
-
-  def group(lr):
-    warm = max(warmup_steps, 1)
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(total_steps, warm + 1))
-    return optax.adamw(sched, weight_decay=weight_decay)
-
-  labels = lambda tree: {k: jax.tree_util.tree_map(lambda _: k, v) for k, v in tree.items()}
-  return optax.chain(optax.clip_by_global_norm(clip),
-                     optax.multi_transform({"model": group(model_lr), "router": group(router_lr)},
-                                           labels))

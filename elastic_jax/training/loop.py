@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -70,6 +71,15 @@ def restore_latest(mngr: ocp.CheckpointManager, state, iterators: Mapping[str, A
   return step, got.state
 
 
+def _saveable(state):
+  """What Orbax may read while the next (donating) step runs. Orbax copies device arrays to
+  host before `save` returns, but on CPU that "copy" is a view of the very buffer the next step
+  donates and overwrites, so there the save gets buffers of its own."""
+  on_cpu = lambda x: (isinstance(x, jax.Array) and
+                     next(iter(x.sharding.device_set)).platform == "cpu")
+  return jax.tree.map(lambda x: jnp.array(x, copy=True) if on_cpu(x) else x, state)
+
+
 def _committed(phase: str, step: int) -> None:
   print(f"{phase}: checkpoint {step} committed", flush=True)
 
@@ -122,7 +132,7 @@ def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_di
         if jax.process_count() > 1:
           data_state = {k: distributed.allgather_json(v) for k, v in data_state.items()}
         # Async: written in the background, visible to a restart only once committed.
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saveable(state)),
                                                 data=ocp.args.JsonSave(data_state)))
         pending = step
     mngr.wait_until_finished()

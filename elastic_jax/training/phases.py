@@ -19,10 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from elastic_jax import rng
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.parallel.rules import DEFAULT_RULES
+from elastic_jax.training import optim
 from elastic_jax.training.distill import elastic_loss, forward_kl
 from elastic_jax.training.loop import commit, run_phase
 from elastic_jax.model.model import apply, apply_hidden, to_canonical, to_stack_layout
@@ -30,8 +32,9 @@ from elastic_jax.model.model import apply, apply_hidden, to_canonical, to_stack_
 
 @dataclasses.dataclass(frozen=True)
 class LoopOptions:
-  """Where and how often a phase logs and checkpoints (`ckpt_dir` is per phase), and the device
-  mesh it runs on (None: one device) with the logical-axis rules that shard it."""
+  """Where and how often a phase logs and checkpoints (`ckpt_dir` is per phase), the device
+  mesh it runs on (None: one device) with the logical-axis rules that shard it, and how the
+  trained weights are held (`master`: fp32 masters or the stored dtype, `training.optim`)."""
   ckpt_dir: str
   writer: Any                      # metrics.MetricsWriter
   log_every: int = 25
@@ -40,6 +43,7 @@ class LoopOptions:
   mesh: Any = None                 # jax.sharding.Mesh
   rules: tuple = DEFAULT_RULES
   stop_after: int | None = None    # end this attempt at that step (saved); re-run to go on
+  master: str = "float32"          # optim.MASTERS
 
   def model_sharding(self, params, config: ModelConfig):
     """Shardings of `params` (either layout) by their logical axes; None without a mesh."""
@@ -59,22 +63,17 @@ def lm_loss(params, tokens_BT, config: ModelConfig, masks=None):
   return -jnp.mean(jnp.take_along_axis(logp, tokens_BT[:, 1:, None], -1))
 
 
-def adamw(lr: float, steps: int, warmup: int, clip: float = 1.0):
-  """AdamW, linear warmup + cosine decay, global-norm clipping (one param group)."""
-  warm = max(warmup, 1)
-  return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(
-      optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1))))
-
-
-def train_step(loss_fn: Callable, opt, out_shardings=None):
+def train_step(loss_fn: Callable, opt, out_shardings=None, donate: bool = True):
   """jitted (state, *args) -> (state, metrics); loss_fn(params, *args) -> (loss, metrics).
-  On a mesh, `out_shardings` keeps the new state where the old one was."""
+  On a mesh, `out_shardings` keeps the new state where the old one was. `donate`: the old
+  state's buffers are reused for the new one (params and optimizer state live once)."""
   def step(state, *args):
     (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], *args)
     updates, opt_state = opt.update(g, state["opt"], state["params"])
     return ({"params": optax.apply_updates(state["params"], updates), "opt": opt_state},
             {"loss": loss, **metrics})
-  return jax.jit(step) if out_shardings is None else jax.jit(step, out_shardings=out_shardings)
+  kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+  return jax.jit(step, donate_argnums=(0,) if donate else (), **kw)
 
 
 def state_shardings(opt, params, params_sharding, mesh) -> dict:
@@ -92,21 +91,34 @@ def elastic_params_sharding(model, router, config: ModelConfig, mesh, rules=DEFA
           "router": shd.replicate_tree(router, mesh)}
 
 
+def _own_copy(tree):
+  """Fresh buffers for every array of `tree`: the train step donates its state, and the
+  caller's arrays (e.g. the parent that is also the teacher) must survive it."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
 def _init_state(params, opt, loop: LoopOptions, params_sharding):
-  """{"params", "opt"}: on one device as given; on a mesh, params placed by `params_sharding`
-  and the optimizer state created in place, sharded as the params it mirrors."""
+  """{"params", "opt"}: the master weights of `params` (`loop.master`) in buffers of their
+  own, on one device or placed by `params_sharding`, with the optimizer state created in
+  place, sharded as the params it mirrors."""
+  params = optim.master_weights(params, loop.master)
   if loop.mesh is None:
+    params = _own_copy(params)
     return commit({"params": params, "opt": opt.init(params)}), None
   sh = state_shardings(opt, params, params_sharding, loop.mesh)
-  params = jax.device_put(params, params_sharding)
+  params = _own_copy(jax.device_put(params, params_sharding))
   state = {"params": params, "opt": jax.jit(opt.init, out_shardings=sh["opt"])(params)}
   return state, (sh, shd.replicated(loop.mesh))
 
 
 def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step=None,
          describe=None, iterators=None, params_sharding=None):
+  """Trains `params` (returned in their own dtypes) with `loss_fn` and `opt` for `total`
+  steps of batches from `it` (an iterator, or step -> iterator)."""
+  stored = jax.eval_shape(lambda p: p, params)   # dtypes the model keeps; no buffers held
   state, out_shardings = _init_state(params, opt, loop, params_sharding)
-  step = train_step(loss_fn, opt, out_shardings)
+  del params
+  step = train_step(optim.cast_for_step(loss_fn, stored), opt, out_shardings)
   put = ((lambda x: jnp.asarray(x)) if loop.mesh is None else
          (lambda x: shd.shard_batch(x, loop.mesh, loop.rules)))
 
@@ -121,31 +133,32 @@ def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step
                     iterators=iterators or {"train": it}, log_every=loop.log_every,
                     save_every=loop.save_every, keep=loop.keep, describe=describe,
                     stop_after=loop.stop_after)
-  return state["params"]
+  return optim.like(state["params"], stored)
 
 
 def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions, *,
-             lr: float = 3e-3, warmup: int = 20, name: str = "pretrain"):
+             lr: float = 3e-3, warmup: int = 20, weight_decay: float = 1e-4,
+             name: str = "pretrain"):
   """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows)."""
   loss_fn = lambda p, x: (lm_loss(p, x, config), {})
   # Params (and the teacher) are held in the layout the stack runs (scanned when it scans).
   params = to_stack_layout(params, config)
-  out = _run(name, loss_fn, params, adamw(lr, steps, warmup), steps, batches, loop,
-             params_sharding=loop.model_sharding(params, config))
+  out = _run(name, loss_fn, params, optim.adamw(lr, steps, warmup, weight_decay), steps,
+             batches, loop, params_sharding=loop.model_sharding(params, config))
   return to_canonical(out, config)
 
 
 def distill(student, student_config: ModelConfig, teacher, teacher_config: ModelConfig,
             batches, steps: int, loop: LoopOptions, *, lr: float = 1e-3, warmup: int = 10,
-            name: str = "distill"):
+            weight_decay: float = 1e-4, name: str = "distill"):
   """Trains a fixed `student` to match the frozen `teacher` (forward KL at T = 1)."""
   def loss_fn(p, x, teacher):
     t = jax.lax.stop_gradient(apply(teacher, x[:, :-1], config=teacher_config))
     return forward_kl(t, apply(p, x[:, :-1], config=student_config)), {}
   teacher = commit(loop.place_model(to_stack_layout(teacher, teacher_config), teacher_config))
   student = to_stack_layout(student, student_config)
-  out = _run(name, loss_fn, student, adamw(lr, steps, warmup), steps, batches, loop,
-             lambda i, x: (teacher,), params_sharding=loop.model_sharding(student, student_config))
+  out = _run(name, loss_fn, student, optim.adamw(lr, steps, warmup, weight_decay), steps,
+             batches, loop, lambda i, x: (teacher,), params_sharding=loop.model_sharding(student, student_config))
   return to_canonical(out, student_config)
 
 
@@ -207,17 +220,17 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
             schedule: ElasticSchedule, stage_batches: dict, loop: LoopOptions, *,
             lr: float = 1e-3, router_lr: float = 1e-2, warmup: int = 10,
             budget_weight: float = 1.0, hard_prob: float = 0.004, seed: int = 0,
-            moe_impl: str = "dense", kd_chunk: int = 0):
+            moe_impl: str = "dense", kd_chunk: int = 0, weight_decay: float = 0.0):
   """Elastic KD of the nested `params` (student, initialised from the parent) against the frozen
   `teacher`. `stage_batches` = {1: stage-1 iterator, 2: stage-2 iterator}. Returns
   (params, router_params)."""
   total = schedule.total
   loss_fn = elastic_step_loss(config, rc, total, budget_weight, hard_prob, moe_impl, kd_chunk)
-  base_key = jax.random.PRNGKey(seed)
+  base_key = rng.key(seed, "gumbel")
   teacher = commit(loop.place_model(to_stack_layout(teacher, config), config))
   args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),
                        jax.random.fold_in(base_key, i))
-  opt = router_lib.make_optimizer(total, lr, router_lr, warmup_steps=warmup)
+  opt = optim.elastic_adamw(total, lr, router_lr, weight_decay, warmup_steps=warmup)
   names = config.budget_names
   params = to_stack_layout(params, config)
   sharding = None if loop.mesh is None else elastic_params_sharding(

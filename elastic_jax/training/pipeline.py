@@ -13,6 +13,7 @@ from typing import Sequence
 
 import jax
 
+from elastic_jax import rng
 from elastic_jax.io import checkpoint
 from elastic_jax.training import data, phases
 from elastic_jax.elastic import router as router_lib
@@ -54,7 +55,8 @@ class Run:
     c = self.config
     return phases.LoopOptions(os.path.join(self.workdir, "checkpoints", phase), self.writer,
                               c.log_every, c.checkpoint.save_every, c.checkpoint.keep,
-                              mesh=self.mesh, rules=tuple(map(tuple, c.parallel.rules)))
+                              mesh=self.mesh, rules=tuple(map(tuple, c.parallel.rules)),
+                              master=c.optim.master)
 
   @property
   def seq_lens(self) -> tuple[int, int]:
@@ -77,7 +79,8 @@ def load_data(run: Run, cfg: ModelConfig, data_files: Sequence[str] = ()) -> dat
   """The embedded corpus (or local files), tokenizer and packed rows at both stage lengths."""
   c = run.config
   docs = (data.local_corpus(data_files) if data_files else
-          data.default_corpus(c.data.n_text, c.data.n_reasoning, c.seed,
+          data.default_corpus(c.data.n_text, c.data.n_reasoning,
+                              rng.seed_for(c.seed, "corpus"),
                               tuple(c.data.reasoning_sources), tuple(c.data.reasoning_weights)))
   td = data.prepare(docs, cfg.vocab_size, run.seq_lens, run.tokenizer_path,
                     min_val_rows=c.data.batch)
@@ -97,10 +100,11 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
   L1, B = run.seq_lens[0], c.data.batch
   params = hf_params
   if params is None:
-    params = phases.pretrain(init(cfg, jax.random.PRNGKey(c.seed)), cfg,
-                             td.iterator(L1, B, c.seed), c.pretrain.steps, run.loop("pretrain"),
-                             lr=c.pretrain.lr, warmup=c.pretrain.warmup)
-  calib_it = td.iterator(L1, B, c.seed + 2)
+    params = phases.pretrain(init(cfg, rng.key(c.seed, "init")), cfg,
+                             td.iterator(L1, B, rng.seed_for(c.seed, "pretrain_data")),
+                             c.pretrain.steps, run.loop("pretrain"), lr=c.pretrain.lr,
+                             warmup=c.pretrain.warmup, weight_decay=c.pretrain.weight_decay)
+  calib_it = td.iterator(L1, B, rng.seed_for(c.seed, "calib_data"))
   calib = [next(calib_it)[:, :-1] for _ in range(c.elastic.calib_batches)]
   teacher = nest(params, cfg, compute_importance(params, cfg, calib))
   checkpoint.save(path, teacher, cfg, tokenizer=run.tokenizer_path, overwrite=True)
@@ -139,16 +143,17 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
   checkpoint (params + router + the router's counts per budget) in nested/."""
   c, e = run.config, run.config.elastic
   schedule = phases.ElasticSchedule(len(cfg.budgets), e.stage1_steps, e.stage2_steps, e.p_full,
-                                    tuple(e.stage2_probs), c.seed)
+                                    tuple(e.stage2_probs), rng.seed_for(c.seed, "budget"))
   rc = router_config(run.config, schedule.total)
   L1, L2 = run.seq_lens
   B = c.data.batch
   params, router = phases.elastic(
-      teacher, teacher, cfg, router_lib.init(cfg, rc, jax.random.PRNGKey(c.seed + 1)), rc,
-      schedule, {1: td.iterator(L1, B, c.seed + 1), 2: td.iterator(L2, B, c.seed + 3)},
+      teacher, teacher, cfg, router_lib.init(cfg, rc, rng.key(c.seed, "router_init")), rc,
+      schedule, {1: td.iterator(L1, B, rng.seed_for(c.seed, "stage1_data")),
+                 2: td.iterator(L2, B, rng.seed_for(c.seed, "stage2_data"))},
       run.loop("elastic"), lr=e.lr, router_lr=e.router_lr, warmup=e.warmup,
       budget_weight=e.budget_weight, hard_prob=e.hard_prob, seed=c.seed, moe_impl=e.moe_impl,
-      kd_chunk=e.kd_chunk)
+      kd_chunk=e.kd_chunk, weight_decay=e.weight_decay)
   counts = {n: router_lib.chosen_counts(router, cfg, rc, n) for n in cfg.budget_names}
   checkpoint.save(os.path.join(run.workdir, "nested"), params, cfg, router=router,
                   budget_counts=counts, tokenizer=run.tokenizer_path,
@@ -159,5 +164,5 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
 def held_out(run: Run) -> list[dict]:
   """Reasoning items for evaluation, from a seed the corpus does not use."""
   ev = run.config.eval
-  return data.reasoning_examples(ev.n_reasoning, seed=run.config.seed + 1000,
+  return data.reasoning_examples(ev.n_reasoning, seed=rng.seed_for(run.config.seed, "eval"),
                                  sources=tuple(ev.sources))
