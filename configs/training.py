@@ -19,7 +19,8 @@ def defaults() -> ml_collections.ConfigDict:
           "seq_len": 64,           # pretraining / stage-1 length; stage 2 uses seq_len x stage2_len_mult
           "batch": 16,
       },
-      "pretrain": {"steps": 600, "lr": 3e-3, "warmup": 20, "weight_decay": 1e-4},
+      # lm_chunk > 0: the next-token loss runs that many tokens at a time from hidden states.
+      "pretrain": {"steps": 600, "lr": 3e-3, "warmup": 20, "weight_decay": 1e-4, "lm_chunk": 0},
       "elastic": {
           "stage1_steps": 150, "stage2_steps": 50,
           "stage2_len_mult": 2,

@@ -113,3 +113,39 @@ def test_kd_chunk_must_be_a_count(cfg):
   from elastic_jax.training import phases
   with pytest.raises(ValueError, match="elastic.kd_chunk must be an int >= 0"):
     phases.elastic_step_loss(cfg, R.RouterConfig(hidden=4), 10, kd_chunk=-1)
+
+
+def test_chunked_lm_loss_equals_one_shot(cfg, params, tokens):
+  """Next-token cross-entropy from hidden states, 4 tokens at a time (12 targets, then 13: a
+  padded last chunk), equals the one-shot loss in value and gradients (fp32)."""
+  import chex
+  from elastic_jax.training import phases
+  for rows in (tokens, tokens[:, :-1]):
+    grad = jax.jit(jax.value_and_grad(phases.lm_loss), static_argnums=(2, 4))
+    (v4, g4), (v0, g0) = grad(params, rows, cfg, None, 4), grad(params, rows, cfg, None, 0)
+    np.testing.assert_allclose(v4, v0, rtol=1e-6)
+    chex.assert_trees_all_close(g4, g0, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_losses_hold_no_full_logits(cfg):
+  """Compiled temporaries of the loss + its gradient from hidden states (V = 8192): one-shot
+  ones hold several [B, T, V] logits; chunked ones hold a few chunks' logits, whatever T."""
+  from elastic_jax.training.distill import chunked_cross_entropy, chunked_forward_kl
+  D, V, B = cfg.hidden_size, 8192, 2
+  big = cfg.replace(vocab_size=V)
+  head = jax.ShapeDtypeStruct((D, V), jnp.float32)
+
+  def temp(f, T):
+    h = jax.ShapeDtypeStruct((B, T, D), jnp.float32)
+    y = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    return jax.jit(jax.grad(f, argnums=(0, 1))).trace(h, head, h, y).lower().compile(
+        ).memory_analysis().temp_size_in_bytes
+
+  ce = lambda chunk: lambda h, w, t, y: chunked_cross_entropy(h, w, y, big, chunk)
+  kl = lambda chunk: lambda h, w, t, y: chunked_forward_kl(t, h, w, w, big, chunk)
+  logits = B * 512 * V * 4
+  for f in (ce, kl):
+    one_shot = temp(f(512), 512)                           # one chunk = the whole sequence
+    chunked = temp(f(64), 512)
+    assert one_shot > logits and chunked < one_shot / 4
+    assert temp(f(64), 1024) < 1.1 * chunked               # flat in T (inputs aside)

@@ -241,3 +241,18 @@ def test_distributed_initialize_arguments():
   with pytest.raises(ValueError, match=r"--process_id 2 not in \[0, 2\)"):
     distributed.initialize("127.0.0.1:1234", 2, 2)
   assert distributed.allgather_json({"a": [1]}) == [{"a": [1]}]
+
+
+def test_hf_import_places_each_tensor_on_its_shards(cfg, params, mesh, tmp_path):
+  """The streaming HF import with `place_by_path`: every leaf arrives sharded as the model's
+  logical axes say, with the values of a plain import."""
+  from elastic_jax.io import hf
+  from elastic_jax.model.model import param_shapes
+  hf.save_pretrained(str(tmp_path), params, cfg)
+  want = S.param_shardings(param_shapes(cfg), cfg, mesh)
+  _, placed = hf.load_pretrained(str(tmp_path), place=S.place_by_path(want))
+  _, plain = hf.load_pretrained(str(tmp_path))
+  for x, s in zip(jax.tree.leaves(placed), jax.tree.leaves(want)):
+    assert x.sharding == s
+  assert S.replicated_leaves(placed, min_size=256) == []
+  chex.assert_trees_all_equal(jax.device_get(placed), plain)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -190,13 +190,23 @@ def _attn_to_hf(p, c: ModelConfig):
           "v_proj.weight": p["v"].reshape(D, -1).T, "o_proj.weight": p["o"].reshape(-1, D).T}
 
 
+def _stack(t, names):
+  """np.stack of the tensors `names`, filled one at a time (never all of them and the stack)."""
+  first = t(names[0])
+  out = np.empty((len(names),) + first.shape, first.dtype)
+  out[0] = first
+  for j, name in enumerate(names[1:], 1):
+    out[j] = t(name)
+  return out
+
+
 def _moe_from_hf(t, c: ModelConfig, has):
   E = c.n_routed_experts
   if has("experts.up_proj"):                         # transformers-5 stacked layout [E, F, D]
     up, down = t("experts.up_proj"), t("experts.down_proj")
   else:
-    up = np.stack([t(f"experts.{j}.up_proj.weight") for j in range(E)])
-    down = np.stack([t(f"experts.{j}.down_proj.weight") for j in range(E)])
+    up = _stack(t, [f"experts.{j}.up_proj.weight" for j in range(E)])
+    down = _stack(t, [f"experts.{j}.down_proj.weight" for j in range(E)])
   return {"router": t("gate.weight").T, "router_bias": t("gate.e_score_correction_bias"),
           "up": up.transpose(0, 2, 1), "down": down.transpose(0, 2, 1),
           "shared_up": t("shared_experts.up_proj.weight").T,
@@ -221,11 +231,18 @@ def _mlp_to_hf(p, c):
   return {"up_proj.weight": p["up"].T, "down_proj.weight": p["down"].T}
 
 
-def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
-  """Our params pytree (numpy, `c.param_dtype`) from a HF state dict; checks every shape."""
+def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig,
+                   place: Callable[[str, np.ndarray], Any] | None = None) -> dict:
+  """Our params pytree (`c.param_dtype`) from a HF state dict, streamed: each layer's tensors are
+  read in their stored dtype (never upcast), converted, checked against the config's shapes,
+  cast and handed to `place(path, array)` (a `jax.tree_util.keystr` path; default: kept as
+  numpy, e.g. `jax.device_put` onto the leaf's sharding) before the next layer is read. Host
+  memory peaks near the final params plus one layer's tensors (`TensorFiles` reads lazily)."""
   prefix = next((p for p in ("backbone.", "model.") if f"{p}embeddings.weight" in tensors), None)
   if prefix is None:
     raise HFFormatError("no backbone.embeddings.weight / model.embeddings.weight in checkpoint")
+  want = param_shapes(c)
+  place = place or (lambda path, x: x)
   used = set()
 
   def getter(base):
@@ -234,11 +251,29 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
       if key not in tensors:
         raise HFFormatError(f"missing tensor {key!r}")
       used.add(key)
-      return np.asarray(tensors[key], np.float32)
+      return np.asarray(tensors[key])
     return t
 
   def has(base):
     return lambda name: base + name in tensors
+
+  def finish(keys, tree, spec):
+    """`tree` (the subtree at `keys`) checked against `spec`, cast, contiguous and placed."""
+    root = tuple(jax.tree_util.DictKey(k) for k in keys)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(spec)
+    try:
+      got = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+      raise HFFormatError(f"{jax.tree_util.keystr(root)}: parameter tree does not match the "
+                          f"config: {e}") from None
+    out = []
+    for (path, sd), arr in zip(paths, got):
+      name = jax.tree_util.keystr(root + path)
+      if tuple(arr.shape) != tuple(sd.shape):
+        raise HFFormatError(f"{name}: shape {tuple(arr.shape)}, config expects "
+                            f"{tuple(sd.shape)}")
+      out.append(place(name, np.ascontiguousarray(arr.astype(sd.dtype, copy=False))))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
   layers = {}
   for i, kind in enumerate(c.layer_pattern):
@@ -254,32 +289,22 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig) -> dict:
     except ValueError as e:  # a reshape that the config's sizes don't allow
       raise HFFormatError(f"{base}mixer ({kind!r} layer): tensor shapes do not match the "
                           f"config ({e})") from None
-    layers[str(i)] = {"norm": {"scale": getter(base)("norm.weight")}, "mixer": mixer}
+    layers[str(i)] = finish(("layers", str(i)), {"norm": {"scale": getter(base)("norm.weight")},
+                                                 "mixer": mixer}, want["layers"][str(i)])
+    del mixer
   g = getter(prefix)
-  params = {"embed": g("embeddings.weight"), "layers": layers,
-            "final_norm": {"scale": g("norm_f.weight")},
-            "lm_head": getter("")("lm_head.weight").T}
+  params = {"embed": finish(("embed",), g("embeddings.weight"), want["embed"]),
+            "layers": layers,
+            "final_norm": finish(("final_norm",), {"scale": g("norm_f.weight")},
+                                 want["final_norm"]),
+            "lm_head": finish(("lm_head",), getter("")("lm_head.weight").T, want["lm_head"])}
   leftover = sorted(k for k in tensors if k not in used and not k.startswith("mtp."))
   if leftover:
     raise HFFormatError(f"checkpoint has tensors this config does not use: {leftover[:8]}"
                         f"{' ...' if len(leftover) > 8 else ''}")
-  return _cast_checked(params, c)
-
-
-def _cast_checked(params, c: ModelConfig):
-  want = param_shapes(c)
-  paths_want, treedef = jax.tree_util.tree_flatten_with_path(want)
-  try:
-    got = treedef.flatten_up_to(params)
-  except (ValueError, TypeError) as e:
-    raise HFFormatError(f"parameter tree does not match the config: {e}") from None
-  out = []
-  for (path, spec), arr in zip(paths_want, got):
-    if tuple(arr.shape) != tuple(spec.shape):
-      raise HFFormatError(f"{jax.tree_util.keystr(path)}: shape {tuple(arr.shape)}, config "
-                          f"expects {tuple(spec.shape)}")
-    out.append(np.asarray(arr).astype(spec.dtype))
-  return jax.tree_util.tree_unflatten(treedef, out)
+  if set(params) != set(want) or set(layers) != set(want["layers"]):
+    raise HFFormatError("parameter tree does not match the config")
+  return params
 
 
 def params_to_hf(params, c: ModelConfig) -> dict[str, np.ndarray]:
@@ -297,14 +322,24 @@ def params_to_hf(params, c: ModelConfig) -> dict[str, np.ndarray]:
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
-  """(ModelConfig, params) from a local Nemotron-H folder (config.json + safetensors)."""
+def load_config(folder: str, **overrides) -> ModelConfig:
+  """The ModelConfig of a local Nemotron-H folder's config.json (`overrides` replace fields)."""
   cfg_path = os.path.join(folder, "config.json")
   if not os.path.exists(cfg_path):
     raise HFFormatError(f"{folder}: no config.json")
   with open(cfg_path) as f:
-    config = config_from_hf(json.load(f), **overrides)
-  return config, params_from_hf(st.load_folder(folder), config)
+    return config_from_hf(json.load(f), **overrides)
+
+
+def load_params(folder: str, config: ModelConfig, place=None) -> dict:
+  """The params of a local Nemotron-H folder's safetensors, streamed (`params_from_hf`)."""
+  return params_from_hf(st.load_folder(folder), config, place)
+
+
+def load_pretrained(folder: str, place=None, **overrides) -> tuple[ModelConfig, dict]:
+  """(ModelConfig, params) from a local Nemotron-H folder (config.json + safetensors)."""
+  config = load_config(folder, **overrides)
+  return config, load_params(folder, config, place)
 
 
 def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False) -> None:

@@ -122,3 +122,11 @@ def replicated_leaves(tree, min_size: int = 1024) -> list[str]:
                                    sharding.shard_shape(x.shape) == tuple(x.shape)):
       out.append(jax.tree_util.keystr(path))
   return out
+
+
+def place_by_path(shardings):
+  """place(path, array) for streaming loaders (`io.hf.params_from_hf`): the array put on the
+  sharding found at `path` (a `jax.tree_util.keystr`) of the `shardings` tree."""
+  by_path = {jax.tree_util.keystr(p): s
+             for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  return lambda path, x: jax.device_put(x, by_path[path])

@@ -24,15 +24,20 @@ def forward_kl(teacher_logits, student_logits, weights=None):
   return jnp.sum(kl * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+def _chunks(x_BTX, chunk: int):
+  """[n, B, chunk, ...] chunks of the sequence axis, the last one zero-padded."""
+  B, T = x_BTX.shape[:2]
+  n = -(-T // chunk)
+  x = jnp.pad(x_BTX, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (x_BTX.ndim - 2))
+  return jnp.moveaxis(x.reshape((B, n, chunk) + x_BTX.shape[2:]), 1, 0)
+
+
 def chunked_forward_kl(teacher_BTD, student_BTD, teacher_head_DV, student_head_DV,
                        config: ModelConfig, chunk: int):
   """`forward_kl` of the two models' logits, computed `chunk` tokens at a time from their final
   hidden states and lm_heads: each chunk's [B, chunk, V] logits exist only inside its
   (rematerialised) scan step, so neither model's [B, T, V] logits are ever held."""
-  B, T, D = student_BTD.shape
-  n = -(-T // chunk)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, n * chunk - T), (0, 0)))
-  split = lambda x: jnp.moveaxis(pad(x).reshape(B, n, chunk, -1), 1, 0)   # [n, B, chunk, .]
+  B, T, _ = student_BTD.shape
 
   @jax.checkpoint
   def one(total, xs):
@@ -41,7 +46,25 @@ def chunked_forward_kl(teacher_BTD, student_BTD, teacher_head_DV, student_head_D
     s = jax.nn.log_softmax(lm_head(s, student_head_DV, config), -1)
     return total + jnp.sum(jnp.exp(t) * (t - s)), None
 
-  total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (split(teacher_BTD), split(student_BTD)))
+  total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32),
+                          (_chunks(teacher_BTD, chunk), _chunks(student_BTD, chunk)))
+  return total / (B * T)
+
+
+def chunked_cross_entropy(hidden_BTD, head_DV, targets_BT, config: ModelConfig, chunk: int):
+  """Mean cross-entropy of `targets` under the logits of `hidden` x `head`, `chunk` tokens at
+  a time (each chunk's [B, chunk, V] logits live only inside its rematerialised scan step)."""
+  B, T, _ = hidden_BTD.shape
+  valid = _chunks(jnp.ones((B, T), jnp.float32), chunk)   # the padded tail does not count
+
+  @jax.checkpoint
+  def one(total, xs):
+    h, y, w = xs
+    logp = jax.nn.log_softmax(lm_head(h, head_DV, config), -1)
+    return total - jnp.sum(w * jnp.take_along_axis(logp, y[..., None], -1)[..., 0]), None
+
+  total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32),
+                          (_chunks(hidden_BTD, chunk), _chunks(targets_BT, chunk), valid))
   return total / (B * T)
 
 

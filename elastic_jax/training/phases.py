@@ -25,7 +25,7 @@ from elastic_jax.elastic import router as router_lib
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.parallel.rules import DEFAULT_RULES
 from elastic_jax.training import optim
-from elastic_jax.training.distill import elastic_loss, forward_kl
+from elastic_jax.training.distill import chunked_cross_entropy, elastic_loss, forward_kl
 from elastic_jax.training.loop import commit, run_phase
 from elastic_jax.model.model import apply, apply_hidden, to_canonical, to_stack_layout
 
@@ -56,11 +56,20 @@ class LoopOptions:
                                                            self.model_sharding(params, config))
 
 
-def lm_loss(params, tokens_BT, config: ModelConfig, masks=None):
-  """Mean next-token cross-entropy of `tokens[:, 1:]` given `tokens[:, :-1]`."""
+def lm_loss(params, tokens_BT, config: ModelConfig, masks=None, lm_chunk: int = 0):
+  """Mean next-token cross-entropy of `tokens[:, 1:]` given `tokens[:, :-1]`; `lm_chunk` > 0
+  computes it that many tokens at a time from hidden states (no [B, T, V] logits)."""
+  if lm_chunk:
+    hidden = apply_hidden(params, tokens_BT[:, :-1], masks, config=config)
+    return chunked_cross_entropy(hidden, params["lm_head"], tokens_BT[:, 1:], config, lm_chunk)
   logits = apply(params, tokens_BT[:, :-1], masks, config=config)
   logp = jax.nn.log_softmax(logits)
   return -jnp.mean(jnp.take_along_axis(logp, tokens_BT[:, 1:, None], -1))
+
+
+def _check_chunk(name: str, chunk) -> None:
+  if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+    raise ValueError(f"{name} must be an int >= 0 (0: unchunked), got {chunk!r}")
 
 
 def train_step(loss_fn: Callable, opt, out_shardings=None, donate: bool = True):
@@ -138,9 +147,11 @@ def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step
 
 def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions, *,
              lr: float = 3e-3, warmup: int = 20, weight_decay: float = 1e-4,
-             name: str = "pretrain"):
-  """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows)."""
-  loss_fn = lambda p, x: (lm_loss(p, x, config), {})
+             lm_chunk: int = 0, name: str = "pretrain"):
+  """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows);
+  `lm_chunk` > 0 runs the loss that many tokens at a time (`lm_loss`)."""
+  _check_chunk("pretrain.lm_chunk", lm_chunk)
+  loss_fn = lambda p, x: (lm_loss(p, x, config, lm_chunk=lm_chunk), {})
   # Params (and the teacher) are held in the layout the stack runs (scanned when it scans).
   params = to_stack_layout(params, config)
   out = _run(name, loss_fn, params, optim.adamw(lr, steps, warmup, weight_decay), steps,
@@ -199,8 +210,7 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
   the elastic phase's per-step objective (also what `elastic_jax.plan` compiles). `moe_impl`
   is the MoE dispatch of student and teacher (`model.moe.MOE_IMPLS`); `kd_chunk` > 0 runs the
   KD term that many tokens at a time from hidden states (`distill.chunked_forward_kl`)."""
-  if not isinstance(kd_chunk, int) or kd_chunk < 0:
-    raise ValueError(f"elastic.kd_chunk must be an int >= 0 (0: unchunked), got {kd_chunk!r}")
+  _check_chunk("elastic.kd_chunk", kd_chunk)
   fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
   n = len(config.budgets)
 

@@ -20,8 +20,9 @@ from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import CHOICE_FIELDS, ModelConfig
 from elastic_jax.elastic.importance import compute_importance
 from elastic_jax.training.metrics import MetricsWriter
-from elastic_jax.model.model import init
+from elastic_jax.model.model import init, param_shapes
 from elastic_jax.parallel import mesh as mesh_lib
+from elastic_jax.parallel import sharding as shd
 from elastic_jax.elastic.nesting import nest
 
 
@@ -72,7 +73,12 @@ def model_config(run: Run, hf_dir: str | None = None):
     return cfg, None
   from elastic_jax.io import hf
   elastic = {f: getattr(cfg, f) for f, _ in CHOICE_FIELDS.values()}
-  return hf.load_pretrained(hf_dir, budgets=cfg.budgets, **elastic)
+  cfg = hf.load_config(hf_dir, budgets=cfg.budgets, **elastic)
+  place = None
+  if run.mesh is not None:   # each tensor goes to its shard as it is read
+    place = shd.place_by_path(shd.param_shardings(param_shapes(cfg), cfg, run.mesh,
+                                                  tuple(map(tuple, run.config.parallel.rules))))
+  return cfg, hf.load_params(hf_dir, cfg, place)
 
 
 def load_data(run: Run, cfg: ModelConfig, data_files: Sequence[str] = ()) -> data.TrainingData:
@@ -103,7 +109,8 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
     params = phases.pretrain(init(cfg, rng.key(c.seed, "init")), cfg,
                              td.iterator(L1, B, rng.seed_for(c.seed, "pretrain_data")),
                              c.pretrain.steps, run.loop("pretrain"), lr=c.pretrain.lr,
-                             warmup=c.pretrain.warmup, weight_decay=c.pretrain.weight_decay)
+                             warmup=c.pretrain.warmup, weight_decay=c.pretrain.weight_decay,
+                             lm_chunk=c.pretrain.lm_chunk)
   calib_it = td.iterator(L1, B, rng.seed_for(c.seed, "calib_data"))
   calib = [next(calib_it)[:, :-1] for _ in range(c.elastic.calib_batches)]
   teacher = nest(params, cfg, compute_importance(params, cfg, calib))
