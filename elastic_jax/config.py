@@ -13,6 +13,7 @@ from typing import Any, Mapping
 LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "save_dots")
+ATTENTION_IMPLS = ("blocked", "dot_product")
 # Elastic axis name -> (field listing its choices, field holding its full size).
 CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
                  "mamba_heads": ("mamba_head_choices", "mamba_num_heads"),
@@ -75,6 +76,10 @@ class ModelConfig:
   # backward pass, so memory grows as block x T instead of T x T. Sequences no longer than one
   # block take the one-shot path.
   attention_query_block: int = 512
+  # Full-sequence attention: "blocked" (the query blocks above; XLA, any backend, the default)
+  # or "dot_product" (`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs that
+  # support it, else XLA's one-shot [T, T] scores). Decoding over a cache is the same for both.
+  attention_impl: str = "blocked"
   # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -214,6 +219,8 @@ class ModelConfig:
         err(f, f"{getattr(self, f)!r} not in {DTYPES}")
     if self.remat not in REMAT:
       err("remat", f"{self.remat!r} not in {REMAT}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      err("attention_impl", f"{self.attention_impl!r} not in {ATTENTION_IMPLS}")
     if not isinstance(self.scan_layers, bool):
       err("scan_layers", f"must be a bool, got {self.scan_layers!r}")
     self._validate_choices(err)

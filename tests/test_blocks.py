@@ -122,20 +122,24 @@ def test_attention_reference(cfg, params):
 
 @pytest.mark.parametrize("T", [13, 16])   # 13: the last query block is padded
 def test_query_blocked_attention_equals_one_shot(cfg, params, T):
-  """Blocks of 4 queries (each rematerialised) give the one-shot causal attention's values and
-  gradients (fp32), and the whole masked forward is unchanged."""
+  """Blocks of 4 queries (each rematerialised) and `jax.nn.dot_product_attention` (the cuDNN
+  path on GPUs; XLA here) give the one-shot causal attention's values and gradients (fp32), and
+  the whole masked forward is unchanged."""
   p = _layer(params, cfg, "*")
   x = jnp.asarray(np.random.RandomState(4).randn(2, T, cfg.hidden_size), jnp.float32)
-  blocked, whole = cfg.replace(attention_query_block=4), cfg.replace(attention_query_block=T)
+  whole = cfg.replace(attention_query_block=T)
   f = lambda p, c: attn_lib.attention(p, x, c)[0]
-  np.testing.assert_allclose(f(p, blocked), f(p, whole), rtol=1e-5, atol=1e-6)
   loss = lambda p, c: jnp.sum(jnp.sin(f(p, c)))
-  chex.assert_trees_all_close(jax.grad(loss)(p, blocked), jax.grad(loss)(p, whole),
-                              rtol=1e-5, atol=1e-6)
   toks = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (2, T)), jnp.int32)
   masks = from_counts(cfg, {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12})
-  np.testing.assert_allclose(apply(params, toks, masks, config=blocked),
-                             apply(params, toks, masks, config=whole), rtol=1e-5, atol=1e-5)
+  for other in (cfg.replace(attention_query_block=4), cfg.replace(attention_impl="dot_product")):
+    np.testing.assert_allclose(f(p, other), f(p, whole), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(jax.grad(loss)(p, other), jax.grad(loss)(p, whole),
+                                rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(apply(params, toks, masks, config=other),
+                               apply(params, toks, masks, config=whole), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="attention_impl: 'flash' not in"):
+    cfg.replace(attention_impl="flash")
 
 
 def test_query_blocked_attention_memory_is_linear_in_length(cfg, params):

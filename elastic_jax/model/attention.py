@@ -82,7 +82,10 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
   q = jnp.einsum("btd,dhk->bthk", x_BTD, p["q"].astype(dt_)).reshape(B, T, Hkv, rep, c.head_dim)
   k = jnp.einsum("btd,dhk->bthk", x_BTD, p["k"].astype(dt_))
   v = jnp.einsum("btd,dhk->bthk", x_BTD, p["v"].astype(dt_))
-  if state is None:
+  if state is None and c.attention_impl == "dot_product":
+    out = jax.nn.dot_product_attention(q.reshape(B, T, Hkv * rep, c.head_dim), k, v,
+                                       is_causal=True)
+  elif state is None:
     out = attend_causal(q, k, v, c.attention_query_block)
   else:
     put = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype),
