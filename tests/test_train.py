@@ -164,3 +164,21 @@ def test_train_cli_user_error_is_one_line(tmp_path):
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and r.stderr.strip() == (
       f"error: data file {str(bad)!r}: expected .txt or .jsonl"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("checkpoint.keep", 0, "checkpoint.keep must be an int >= 1, got 0"),
+    ("checkpoint.save_every", -5, "checkpoint.save_every must be an int >= 1, got -5"),
+    ("optim.master", "fp16", "optim.master must be one of"),
+    ("elastic.kd_chunk", -1, "elastic.kd_chunk must be an int >= 0"),
+])
+def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, value, match):
+  from configs import tiny
+  from elastic_jax.training import pipeline
+  c = tiny.get_config()
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=match):
+    pipeline.Run(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+  pipeline.check_run_config(tiny.get_config())

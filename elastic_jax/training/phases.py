@@ -67,7 +67,8 @@ def lm_loss(params, tokens_BT, config: ModelConfig, masks=None, lm_chunk: int = 
   return -jnp.mean(jnp.take_along_axis(logp, tokens_BT[:, 1:, None], -1))
 
 
-def _check_chunk(name: str, chunk) -> None:
+def check_chunk(name: str, chunk) -> None:
+  """ValueError unless `chunk` (the config field `name`) is an int >= 0 (0: unchunked)."""
   if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
     raise ValueError(f"{name} must be an int >= 0 (0: unchunked), got {chunk!r}")
 
@@ -150,7 +151,7 @@ def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions
              lm_chunk: int = 0, name: str = "pretrain"):
   """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows);
   `lm_chunk` > 0 runs the loss that many tokens at a time (`lm_loss`)."""
-  _check_chunk("pretrain.lm_chunk", lm_chunk)
+  check_chunk("pretrain.lm_chunk", lm_chunk)
   loss_fn = lambda p, x: (lm_loss(p, x, config, lm_chunk=lm_chunk), {})
   # Params (and the teacher) are held in the layout the stack runs (scanned when it scans).
   params = to_stack_layout(params, config)
@@ -210,7 +211,7 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
   the elastic phase's per-step objective (also what `elastic_jax.plan` compiles). `moe_impl`
   is the MoE dispatch of student and teacher (`model.moe.MOE_IMPLS`); `kd_chunk` > 0 runs the
   KD term that many tokens at a time from hidden states (`distill.chunked_forward_kl`)."""
-  _check_chunk("elastic.kd_chunk", kd_chunk)
+  check_chunk("elastic.kd_chunk", kd_chunk)
   fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
   n = len(config.budgets)
 

@@ -15,7 +15,7 @@ import jax
 
 from elastic_jax import rng
 from elastic_jax.io import checkpoint
-from elastic_jax.training import data, phases
+from elastic_jax.training import data, optim, phases
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import CHOICE_FIELDS, ModelConfig
 from elastic_jax.elastic.importance import compute_importance
@@ -26,6 +26,19 @@ from elastic_jax.parallel import sharding as shd
 from elastic_jax.elastic.nesting import nest
 
 
+def check_run_config(c) -> None:
+  """ValueError naming the first run-config field whose value would misbehave (e.g.
+  `checkpoint.keep=0` would delete each checkpoint as soon as it is committed)."""
+  for field, value in (("checkpoint.keep", c.checkpoint.keep),
+                       ("checkpoint.save_every", c.checkpoint.save_every),
+                       ("log_every", c.log_every)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+  optim.check_master(c.optim.master)
+  phases.check_chunk("pretrain.lm_chunk", c.pretrain.lm_chunk)
+  phases.check_chunk("elastic.kd_chunk", c.elastic.kd_chunk)
+
+
 @dataclasses.dataclass
 class Run:
   """One run directory and its ml_collections config (see configs/training.py)."""
@@ -33,6 +46,7 @@ class Run:
   workdir: str
 
   def __post_init__(self):
+    check_run_config(self.config)   # refused before anything is written
     self.workdir = os.path.abspath(self.workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.writer = MetricsWriter(self.workdir)
