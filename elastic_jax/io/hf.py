@@ -302,7 +302,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig,
   if leftover:
     raise HFFormatError(f"checkpoint has tensors this config does not use: {leftover[:8]}"
                         f"{' ...' if len(leftover) > 8 else ''}")
-  if set(params) != set(want) or set(layers) != set(want["layers"]):
+  if set(params) != set(want):
     raise HFFormatError("parameter tree does not match the config")
   return params
 

@@ -170,7 +170,8 @@ def distill(student, student_config: ModelConfig, teacher, teacher_config: Model
   teacher = commit(loop.place_model(to_stack_layout(teacher, teacher_config), teacher_config))
   student = to_stack_layout(student, student_config)
   out = _run(name, loss_fn, student, optim.adamw(lr, steps, warmup, weight_decay), steps,
-             batches, loop, lambda i, x: (teacher,), params_sharding=loop.model_sharding(student, student_config))
+             batches, loop, lambda i, x: (teacher,),
+             params_sharding=loop.model_sharding(student, student_config))
   return to_canonical(out, student_config)
 
 

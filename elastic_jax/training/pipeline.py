@@ -66,11 +66,16 @@ class Run:
           flush=True)
     return m
 
+  @property
+  def rules(self) -> tuple:
+    """The config's logical-axis sharding rules as a tuple of (name, mesh axes) pairs."""
+    return tuple(map(tuple, self.config.parallel.rules))
+
   def loop(self, phase: str) -> phases.LoopOptions:
     c = self.config
     return phases.LoopOptions(os.path.join(self.workdir, "checkpoints", phase), self.writer,
                               c.log_every, c.checkpoint.save_every, c.checkpoint.keep,
-                              mesh=self.mesh, rules=tuple(map(tuple, c.parallel.rules)),
+                              mesh=self.mesh, rules=self.rules,
                               master=c.optim.master)
 
   @property
@@ -90,8 +95,7 @@ def model_config(run: Run, hf_dir: str | None = None):
   cfg = hf.load_config(hf_dir, budgets=cfg.budgets, **elastic)
   place = None
   if run.mesh is not None:   # each tensor goes to its shard as it is read
-    place = shd.place_by_path(shd.param_shardings(param_shapes(cfg), cfg, run.mesh,
-                                                  tuple(map(tuple, run.config.parallel.rules))))
+    place = shd.place_by_path(shd.param_shardings(param_shapes(cfg), cfg, run.mesh, run.rules))
   return cfg, hf.load_params(hf_dir, cfg, place)
 
 
