@@ -35,7 +35,10 @@ def get_config():
   cfg.pretrain.steps = 0                     # start from the released parent (--hf_dir)
   cfg.elastic.update(stage1_steps=20_000, stage2_steps=5_000, stage2_len_mult=6, lr=1e-4,
                      warmup=100, calib_batches=16,  # 1024 x 8192-token calibration
-                     kd_chunk=1024)                 # no [B, 49K, 131K] logits at stage 2
+                     kd_chunk=1024,                 # no [B, 49K, 131K] logits at stage 2
+                     # 64 rows fill an fsdp:64 mesh one row per device: one budget per step.
+                     # M micro-batches want data.batch = 64 * M.
+                     micro_batches=1)
   cfg.pretrain.lm_chunk = 1024
   cfg.checkpoint.save_every = 500
   cfg.log_every = 10

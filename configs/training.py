@@ -27,7 +27,10 @@ def defaults() -> ml_collections.ConfigDict:
           "lr": 1e-3, "router_lr": 1e-2, "warmup": 10,
           "weight_decay": 0.0,                # model only, masked by kind (training/optim.py)
           "p_full": 0.33,                     # stage 1: full budget, else uniform over the rest
-          "stage2_probs": (0.5, 0.3, 0.2),    # stage 2: large -> small
+          "stage2_probs": (0.5, 0.3, 0.2),    # stage 2: large -> small, one per budget
+          # A budget per micro-batch (gradients accumulated in one step, so every update averages
+          # budgets, as Megatron); 1: one budget per step. Must divide data.batch.
+          "micro_batches": 4,
           "budget_weight": 1.0, "hard_prob": 0.004,
           "calib_batches": 8,                 # importance ranking before nesting
           # MoE dispatch of student and teacher: "dense" (every expert on every token; exact

@@ -70,15 +70,17 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int, donate: bool =
   rows = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32,
                               sharding=shd.batch_sharding(mesh, rules))
   scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shd.replicated(mesh))
-  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   loss_fn = phases.elastic_step_loss(cfg, rc, total, moe_impl=c.elastic.moe_impl,
                                      kd_chunk=c.elastic.kd_chunk)
+  M = c.elastic.micro_batches
   step = phases.train_step(optim.cast_for_step(loss_fn, stored), opt,
-                           (state_sh, shd.replicated(mesh)), donate=donate)
+                           (state_sh, shd.replicated(mesh)), donate=donate, micro_batches=M,
+                           per_micro=phases.ELASTIC_PER_MICRO)
+  budgets = jax.ShapeDtypeStruct((M,), jnp.int32, sharding=shd.replicated(mesh))
+  keys = jax.eval_shape(lambda: phases.micro_keys(jax.random.PRNGKey(0), 0, M))
   with shd.activation_context(mesh, rules):
-    compiled, seconds = plan.compile_aot(step, state, rows, teacher, scalar(jnp.int32),
-                                         scalar(jnp.int32), plan.abstract(key,
-                                                                          shd.replicated(mesh)))
+    compiled, seconds = plan.compile_aot(step, state, rows, teacher, budgets, scalar(jnp.int32),
+                                         plan.abstract(keys, shd.replicated(mesh)))
   return plan.memory_of(compiled), seconds, step_flops(cfg, count_params(cfg).active, batch,
                                                        seq_len)
 

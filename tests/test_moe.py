@@ -32,6 +32,17 @@ def test_masked_experts_never_selected(cfg, params):
   assert int(idx.max()) < 4
 
 
+def test_mask_gradient_is_finite_and_reaches_kept_experts(cfg, params):
+  """A mask scaled by a router probability: finite gradients (no log(0) NaN from the selection),
+  the mask's gradient on kept experts only."""
+  p = _moe_params(params, cfg)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, cfg.hidden_size))
+  em = 0.7 * (jnp.arange(cfg.n_routed_experts) < 6).astype(jnp.float32)
+  g = jax.grad(lambda p, m: jnp.sum(moe_lib.moe(p, x, cfg, m)[0] ** 2), argnums=(0, 1))(p, em)
+  assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree_util.tree_leaves(g))
+  assert np.all(np.asarray(g[1][6:]) == 0) and np.any(np.asarray(g[1][:6]) != 0)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("impl", ["ragged", "gather"])
 def test_dense_equals_sparse_dispatch(cfg, params, masked, impl):

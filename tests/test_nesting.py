@@ -104,11 +104,16 @@ def test_importance_shapes_and_streaming(cfg, params):
   with pytest.raises(ValueError, match="no calibration batches"):
     compute_importance(params, cfg, [])
   with pytest.raises(ValueError, match="expert_score must be one of"):
-    compute_importance(params, cfg, batches, expert_score="softmax")
+    compute_importance(params, cfg, batches, expert_score="modelopt")
+  ungated = compute_importance(params, cfg, batches, expert_score="output_norm")
+  first = [st for kind, st in zip(cfg.layer_pattern, total) if kind == "E"][0]
+  np.testing.assert_allclose(ungated.moe_experts[0], np.where(
+      first["count"] > 0, first["norm_sum"] / np.maximum(first["count"], 1), 0), rtol=1e-5)
+  np.testing.assert_allclose(ungated.moe_ffn, s.moe_ffn)
 
 
 def test_reap_and_ffn_reference(cfg, params):
-  """REAP / ModelOpt / FFN statistics vs an explicit per-token numpy loop."""
+  """REAP / ungated-norm / gate-weighted FFN statistics vs an explicit per-token numpy loop."""
   p = jax.tree_util.tree_map(np.asarray, params["layers"][str(cfg.layer_pattern.index("E"))]["mixer"])
   x = np.random.RandomState(0).randn(2, 5, cfg.hidden_size).astype(np.float32)
   _, aux = moe_lib.moe(p, jnp.asarray(x), cfg, collect=True)
@@ -126,7 +131,7 @@ def test_reap_and_ffn_reference(cfg, params):
         reap[e] += g * out
         norm[e] += out
         count[e] += 1
-        acc += np.abs(act)
+        acc += np.abs(g * act)
         n += 1
     ffn += (acc / n) ** 2
   np.testing.assert_allclose(st["reap_sum"], reap, rtol=1e-4)

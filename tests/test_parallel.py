@@ -151,7 +151,8 @@ def test_pretrain_on_a_mesh_equals_one_device_and_resumes_on_another(cfg, params
 
 def test_elastic_phase_on_a_mesh_equals_one_device(cfg, params, mesh, tmp_path):
   rc = R.RouterConfig(hidden=16)
-  sched = phases.ElasticSchedule(len(cfg.budgets), stage1_steps=2, stage2_steps=1)
+  sched = phases.ElasticSchedule(len(cfg.budgets), stage1_steps=2, stage2_steps=1,
+                                 stage2_probs=(0.6, 0.4))
   router0 = R.init(cfg, rc, jax.random.PRNGKey(0))
   out = {}
   for name, m in (("one", None), ("mesh", mesh)):
@@ -177,7 +178,7 @@ def elastic_run(workdir, process=None, stop_after=None):
   cfg = conftest.CFG
   params = conftest.perturb(init(cfg, jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
   rc = R.RouterConfig(hidden=16)
-  sched = phases.ElasticSchedule(len(cfg.budgets), *MP_STEPS)
+  sched = phases.ElasticSchedule(len(cfg.budgets), *MP_STEPS, stage2_probs=(0.6, 0.4))
   rows = np.random.RandomState(3).randint(0, cfg.vocab_size, (64, 13)).astype(np.int32)
   shard = lambda k, i: iter(data.make_dataset(rows, 4, seed=k, shard_index=i, shard_count=2))
   its = ({k: shard(k, process[0]) for k in (1, 2)} if process else

@@ -5,6 +5,7 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from elastic_jax import count_params
@@ -15,19 +16,71 @@ from elastic_jax.elastic.slicing import slice_params
 
 
 def test_schedule_is_a_function_of_step():
-  s = phases.ElasticSchedule(3, stage1_steps=3000, stage2_steps=3000, seed=5)
-  assert [s.budget(i) for i in range(1, 50)] == [s.budget(i) for i in range(1, 50)]
-  assert s.stage(3000) == 1 and s.stage(3001) == 2 and s.total == 6000
-  c1 = collections.Counter(s.budget(i) for i in range(1, 3001))
-  c2 = collections.Counter(s.budget(i) for i in range(3001, 6001))
+  s = phases.ElasticSchedule(3, stage1_steps=1000, stage2_steps=1000, seed=5, micro_batches=3)
+  assert [s.budgets(i) for i in range(1, 50)] == [s.budgets(i) for i in range(1, 50)]
+  assert s.stage(1000) == 1 and s.stage(1001) == 2 and s.total == 2000
+  assert all(len(s.budgets(i)) == 3 for i in (1, 1500))
+  c1 = collections.Counter(b for i in range(1, 1001) for b in s.budgets(i))
+  c2 = collections.Counter(b for i in range(1001, 2001) for b in s.budgets(i))
   # Stage 1: full with p 0.33, the rest uniform; stage 2: 0.5 / 0.3 / 0.2 (3000 draws each).
   assert c1[0] / 3000 == pytest.approx(0.33, abs=0.03)
   assert c1[1] / 3000 == pytest.approx(0.335, abs=0.03) and c1[2] / 3000 == pytest.approx(0.335, abs=0.03)
   assert [c2[i] / 3000 for i in range(3)] == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
-  # Two budgets: stage-2 probabilities renormalised to (0.5, 0.3) / 0.8 = (0.625, 0.375).
-  two = phases.ElasticSchedule(2, 1, 4000, stage2_probs=(0.5, 0.3, 0.2))
-  share = sum(two.budget(i) == 0 for i in range(2, 4002)) / 4000
-  assert share == pytest.approx(0.625, abs=0.025)
+  # Micro-batches of one step draw budgets independently (steps mix sizes).
+  assert sum(len(set(s.budgets(i))) > 1 for i in range(1, 101)) > 50
+  # Four budgets: the stage-2 distribution is the one given, not a cycled default.
+  four = phases.ElasticSchedule(4, 1, 4000, stage2_probs=(0.4, 0.3, 0.2, 0.1))
+  c4 = collections.Counter(four.budgets(i)[0] for i in range(2, 4002))
+  assert [c4[i] / 4000 for i in range(4)] == pytest.approx([0.4, 0.3, 0.2, 0.1], abs=0.025)
+
+
+@pytest.mark.parametrize("n, p_full, probs", [(2, 0.33, (0.5, 0.3, 0.2)),
+                                              (4, 0.33, (0.5, 0.3, 0.2)),
+                                              (3, 0.33, (0.5, 0.3, 0.3)),
+                                              (3, 0.33, (1.2, -0.1, -0.1)),
+                                              (3, 1.5, (0.5, 0.3, 0.2))])
+def test_schedule_probabilities_validated(n, p_full, probs):
+  with pytest.raises(ValueError, match="elastic.p_full|elastic.stage2_probs must be"):
+    phases.ElasticSchedule(n, 1, 1, p_full, probs)
+
+
+def test_micro_batched_step_is_the_mean_of_micro_batch_steps():
+  """M micro-batches in one step: loss, gradient and metrics are the means over micro-batches,
+  row r in micro-batch r mod M, the per-micro args one per micro-batch, the rest shared."""
+  def loss_fn(p, x, shared, own):
+    loss = jnp.mean((x @ p["w"] - shared) ** 2) * own
+    return loss, {"own": own}
+  p = {"w": jnp.arange(3.0)}
+  x = jax.random.normal(jax.random.PRNGKey(0), (6, 3))
+  own = jnp.array([1.0, 2.0, 3.0])
+  sgd = optax.sgd(1.0)
+  state = {"params": p, "opt": sgd.init(p)}
+  step = phases.train_step(loss_fn, sgd, donate=False, micro_batches=3, per_micro=(1,))
+  new, metrics = step(state, x, 0.5, own)
+  g = [jax.grad(lambda q: loss_fn(q, x[m::3], 0.5, own[m])[0])(p)["w"] for m in range(3)]
+  np.testing.assert_allclose(new["params"]["w"], p["w"] - sum(g) / 3, rtol=1e-5)
+  want = np.mean([loss_fn(p, x[m::3], 0.5, own[m])[0] for m in range(3)])
+  np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+  np.testing.assert_allclose(metrics["own"], 2.0)
+  one = phases.train_step(loss_fn, sgd, donate=False, per_micro=(1,))(state, x, 0.5, own[:1])
+  g1 = jax.grad(lambda q: loss_fn(q, x, 0.5, 1.0)[0])(p)["w"]
+  np.testing.assert_allclose(one[0]["params"]["w"], p["w"] - g1, rtol=1e-5)
+  with pytest.raises(ValueError, match="does not split into 4 micro-batches"):
+    phases.train_step(loss_fn, sgd, donate=False, micro_batches=4, per_micro=(1,))(
+        state, x, 0.5, jnp.ones(4))
+  with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+    phases.train_step(loss_fn, sgd, micro_batches=0)
+
+
+def test_kd_per_budget_averages_the_window():
+  # Two steps of two micro-batches (metrics are micro-batch means): KD 2 and 4 on full, then
+  # 1 on full and 3 on small. Per budget, the mean over its micro-batches; medium is absent.
+  window = [{"kd_by_budget": np.array([2.0 + 4.0, 0.0, 0.0]) / 2,
+             "n_by_budget": np.array([2.0, 0.0, 0.0]) / 2},
+            {"kd_by_budget": np.array([1.0, 0.0, 3.0]) / 2,
+             "n_by_budget": np.array([1.0, 0.0, 1.0]) / 2}]
+  got = phases.kd_per_budget(window, ("full", "medium", "small"))
+  assert got == pytest.approx({"kd_full": 7 / 3, "kd_small": 3.0})
 
 
 def _rows(cfg, n=64, seq=12, seed=0):
@@ -45,13 +98,18 @@ def test_elastic_phase_trains_router_and_model(cfg, params, tmp_path):
   # router is only required to anchor the full budget and shrink the small one.
   rc = R.RouterConfig(hidden=32, tau_decay=0.05 ** (1 / 40))
   sched = phases.ElasticSchedule(len(cfg.budgets), stage1_steps=40, stage2_steps=20,
-                                 stage2_probs=(0.5, 0.5))
+                                 stage2_probs=(0.5, 0.5), micro_batches=2)
   rows = _rows(cfg)
   its = {k: iter(data.make_dataset(rows, 4, seed=k, shard_index=0, shard_count=1))
          for k in (1, 2)}
   router0 = R.init(cfg, rc, jax.random.PRNGKey(0))
-  model, router = phases.elastic(params, params, cfg, router0, rc, sched, its,
-                                 _loop(tmp_path, "elastic"), lr=1e-3, router_lr=3e-2)
+  loop = _loop(tmp_path, "elastic")
+  model, router = phases.elastic(params, params, cfg, router0, rc, sched, its, loop, lr=1e-3,
+                                 router_lr=3e-2)
+  # Each logged step carries the KD loss per budget over the micro-batches since the last log.
+  logged = loop.writer.read("elastic")
+  assert [r["step"] for r in logged] == [20, 40, 60]
+  assert all({"kd_full", "kd_small"} <= set(r) for r in logged), logged
   full = count_params(cfg).active
   ratio = lambda rp, b: count_params(cfg, R.chosen_counts(rp, cfg, rc, b)).active / full
   # Training anchors the full budget and moves the small one's pick toward its 0.5 target.

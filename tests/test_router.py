@@ -1,4 +1,6 @@
 """Budget router: shapes, schedules, Gumbel sampling, masks, expected counts and budget loss."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -78,6 +80,26 @@ def test_masks(cfg, params, tokens):
     R.masks_from_probs(pi, cfg, "fuzzy")
 
 
+@pytest.mark.parametrize("axis", list(AXES))
+def test_soft_masks_converge_to_hard_on_every_axis(cfg, params, tokens, axis):
+  """Staircase masks with tail mass eps on the other choices -> the deployed hard-mask forward
+  as eps -> 0, on every axis (the expert count included: dropped experts must leave top-k)."""
+  n = {name: len(a.choices(cfg)) for name, a in AXES.items()}
+  full = {name: jax.nn.one_hot(jnp.zeros(1, jnp.int32), k) for name, k in n.items()}
+  pick = n[axis] - 2  # a middle choice: both a larger and a smaller one get tail mass
+
+  def probs(eps):
+    pi = jnp.full((1, n[axis]), eps / (n[axis] - 1)).at[0, pick].set(1.0 - eps)
+    return dict(full, **{axis: pi})
+
+  hard = apply(params, tokens, R.masks_from_probs(probs(0.5), cfg, "inference"), config=cfg)
+  errs = []
+  for eps in (1e-2, 1e-4, 1e-6):
+    soft = apply(params, tokens, R.masks_from_probs(probs(eps), cfg, "soft"), config=cfg)
+    errs.append(float(jnp.linalg.norm(soft - hard) / jnp.linalg.norm(hard)))
+  assert errs[0] > errs[-1] and errs[-1] < 1e-4, errs
+
+
 def test_expected_counts_drive_exact_counter(cfg):
   pi = {"hidden": jnp.array([[0.5, 0.5, 0.0]]), "mamba_heads": jnp.array([[1.0, 0, 0, 0]]),
         "moe_experts": jnp.array([[1.0, 0, 0], [0, 0, 1.0]]), "moe_ffn": jnp.array([[1.0, 0, 0]])}
@@ -115,6 +137,14 @@ def test_budget_loss_band_and_gradient_sign(cfg):
     assert got == pytest.approx(want, abs=1e-6), (over, got, want)
   # Anchor: at the full budget, a non-full distribution is penalised even if sizes were met.
   assert float(R.budget_loss(small, cfg, 1.0, RC)) > 1.0
+  # The full budget has no dead zone: 2% probability on the smallest hidden size is a ~1% size
+  # error, inside the band, and still costs exactly that (anchor switched off to see it).
+  near = dict(full, hidden=jnp.array([[0.98, 0.0, 0.02]]))
+  rel = 1 - count_params(cfg, R.expected_counts(near, cfg), validate=False).active / \
+      count_params(cfg).active
+  assert 0 < rel < RC.band
+  no_anchor = dataclasses.replace(RC, anchor_weight=0.0)
+  assert float(R.budget_loss(near, cfg, 1.0, no_anchor)) == pytest.approx(float(rel), rel=1e-5)
 
 
 def test_router_masks_run_one_compiled_forward(cfg, params, tokens):

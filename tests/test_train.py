@@ -171,6 +171,7 @@ def test_train_cli_user_error_is_one_line(tmp_path):
     ("checkpoint.save_every", -5, "checkpoint.save_every must be an int >= 1, got -5"),
     ("optim.master", "fp16", "optim.master must be one of"),
     ("elastic.kd_chunk", -1, "elastic.kd_chunk must be an int >= 0"),
+    ("elastic.stage2_probs", (0.6, 0.4), r"elastic.stage2_probs must be 3 probabilities"),
 ])
 def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, value, match):
   from configs import tiny

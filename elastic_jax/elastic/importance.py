@@ -5,9 +5,11 @@ Per batch, for a channel c: a_c += sum_b (mean_t |act[b, t, c]|)^2; importance =
 - Mamba: on the x part of in_proj ([groups, heads, head_dim]); head channels ranked by the L2
   over heads, a head scored by the L2 of its top `mamba_top_channels` channels (all by default);
   heads are ranked within their group by the nesting step;
-- expert FFN width: after relu^2 on routed tokens, one score per layer shared by its experts;
+- expert FFN width: the down-projection input g * relu^2(h) on routed tokens (gate-weighted, as
+  ModelOpt reads it), one score per layer shared by its experts;
 - experts: REAP S_j = mean over tokens routed to j of g_j(x) ||E_j(x)||_2 with the model's own
-  normalised sigmoid gate, or the ModelOpt variant mean ||E_j(x)||_2 (`expert_score="modelopt"`).
+  normalised sigmoid gate (ModelOpt's expert L2, of the gated output, is this same score), or
+  the ungated mean ||E_j(x)||_2 (`expert_score="output_norm"`).
 Only forward passes; batches stream through one jitted step, any number of them.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from elastic_jax.config import ModelConfig
 from elastic_jax.model.model import apply
 
-EXPERT_SCORES = ("reap", "modelopt")
+EXPERT_SCORES = ("reap", "output_norm")
 
 
 @dataclasses.dataclass

@@ -179,7 +179,7 @@ def argmax_counts(probs: Mapping[str, Any], config: ModelConfig) -> dict:
 
 def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
                 rc: RouterConfig, measure: str = "active", **memory_kwargs):
-  """|P(expected) / (b P_full) - 1|, zero inside the band; for b = 1 add
+  """|P(expected) / (b P_full) - 1|, zero inside the band for b < 1; for b = 1 (no band) add
   anchor_weight * MSE(pi, one-hot of the largest choice).
 
   `measure` "active" counts active parameters; "memory" counts inference bytes
@@ -195,10 +195,12 @@ def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
   full = float(size(None, True))
   active = size(expected_counts(probs, config), False)
   rel = jnp.abs(active / (fraction * full) - 1.0)
-  loss = jnp.where(rel > rc.band, rel, 0.0)
+  # `fraction` may be traced (one compiled step serves every budget). The full budget has no
+  # dead zone (as the reference): it must stay exactly the parent.
+  is_full = jnp.asarray(fraction) >= 1.0
+  loss = jnp.where((rel > rc.band) | is_full, rel, 0.0)
   anchor = 0.0
   for pi in probs.values():
     target = jax.nn.one_hot(jnp.zeros(pi.shape[0], jnp.int32), pi.shape[-1])
     anchor = anchor + jnp.mean(jnp.square(pi - target))
-  # `fraction` may be traced (one compiled step serves every budget).
-  return loss + jnp.where(jnp.asarray(fraction) >= 1.0, rc.anchor_weight * anchor, 0.0)
+  return loss + jnp.where(is_full, rc.anchor_weight * anchor, 0.0)

@@ -52,14 +52,20 @@ def relu2(x):
 def route(p: dict, x_TD, c: ModelConfig, expert_mask_E=None):
   """Returns (gates [T,k] fp32, expert indices [T,k] int32).
 
-  Masked experts (mask 0) can't be selected; gates are scaled by the mask value so a mask scaled
-  by a router probability carries gradient (a hard 0/1 mask changes nothing else).
+  The mask scales each expert's selection weight before top-k (as Megatron scales the score),
+  here in the exp domain: `choice + log(m)`. A hard 0 is -inf (never selected); a soft
+  staircase's tail mass pi -> 0 as the router sharpens drives the dropped experts to -inf, so the
+  soft forward converges to the hard one; a mask constant over the kept experts (a hard mask
+  times its probability) leaves the order unchanged, and the signed correction bias cannot lift
+  a dropped expert (a product m * (s + b) would). Gates are scaled by the mask value so a mask
+  scaled by a router probability carries gradient.
   """
   logits = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), p["router"].astype(jnp.float32))
   scores = jax.nn.sigmoid(logits)
   choice = scores + p["router_bias"].astype(jnp.float32)
   if expert_mask_E is not None:
-    choice = jnp.where(expert_mask_E > 0, choice, -jnp.inf)
+    # Selection carries no gradient (top-k indices); the mask reaches the loss through the gates.
+    choice = choice + jnp.log(jax.lax.stop_gradient(expert_mask_E).astype(jnp.float32))
   _, idx = jax.lax.top_k(choice, c.num_experts_per_tok)
   gates = jnp.take_along_axis(scores, idx, axis=-1)
   if c.norm_topk_prob:
@@ -112,9 +118,10 @@ _EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _exper
 def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
         impl: str = "dense", collect: bool = False):
   """MoE forward on params `p`: (out [B,T,D], aux). aux["stats"]: with `collect`, calibration
-  statistics (dense path): ffn [F] = sum_b (mean over routed (t, e) of |relu^2 act|)^2; per
-  expert sums over routed tokens of g * ||E(x)|| (REAP), of ||E(x)|| (ModelOpt) and the
-  routed-token count; else None. aux["state"] is always None (the MoE keeps no decode state)."""
+  statistics (dense path): ffn [F] = sum_b (mean over routed (t, e) of |g * relu^2 act|)^2, the
+  gate-weighted down-projection input as ModelOpt reads it; per expert sums over routed tokens
+  of g * ||E(x)|| (REAP), of ||E(x)|| (ungated) and the routed-token count; else None.
+  aux["state"] is always None (the MoE keeps no decode state)."""
   if impl not in MOE_IMPLS:
     raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
   dt_ = jnp.dtype(c.compute_dtype)
@@ -128,7 +135,8 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     hit_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=1)
     gate_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)
     norm_TE = jnp.linalg.norm(y.astype(jnp.float32), axis=-1)
-    a = jnp.abs(act.astype(jnp.float32)).reshape(B, T, E, -1) * hit_TE.reshape(B, T, E, 1)
+    # gate_TE is 0 off the routed (t, e) pairs, so this also keeps only routed activations.
+    a = jnp.abs(act.astype(jnp.float32) * gate_TE[..., None]).reshape(B, T, E, -1)
     per_b = jnp.sum(a, axis=(1, 2)) / jnp.maximum(jnp.sum(hit_TE.reshape(B, T, E), (1, 2)), 1)[:, None]
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0),
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),

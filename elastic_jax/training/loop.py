@@ -88,13 +88,16 @@ def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_di
               writer: MetricsWriter, iterators: Mapping[str, Any] | None = None,
               log_every: int = 25, save_every: int = 50, keep: int = 2,
               describe: Callable[[int], str] | None = None, loss_key: str = "loss",
-              stop_after: int | None = None):
+              stop_after: int | None = None,
+              window: Callable[[list], Mapping[str, float]] | None = None):
   """Runs `phase` to `total_steps`, resuming from `ckpt_dir` if it holds a checkpoint.
 
   `step_fn(state, step)` (1-based step) returns (state, metrics: dict of scalars, tokens in the
   step). Every `log_every` steps (and the last) prints loss, tokens/s and ETA and writes the
   metrics; every `save_every` steps (and the last) saves, after checking that the loss is
   finite. `describe(step)` adds a host-side note to the progress line (e.g. the budget).
+  `window(metrics of every step since the last log)` adds scalars computed over that window
+  (e.g. the KD loss per budget); the step metrics stay on device until then (no sync per step).
   `stop_after` ends this attempt at that step, saved (a time-limited job; re-run to go on).
   """
   iterators = dict(iterators or {})
@@ -103,16 +106,21 @@ def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_di
   writer.resume(phase, start)  # drops records an interrupted attempt wrote after `start`
   if start:
     print(f"{phase}: resumed from step {start}/{total_steps} ({mngr.directory})", flush=True)
-  t0, tokens, pending = time.perf_counter(), 0, None
+  t0, tokens, pending, seen = time.perf_counter(), 0, None, []
   try:
     end = total_steps if stop_after is None else min(stop_after, total_steps)
     for step in range(start + 1, end + 1):
       state, metrics, n_tok = step_fn(state, step)
       tokens += n_tok
       last = step == end
+      if window is not None:
+        seen.append(metrics)
       if step % log_every == 0 or last:
         values = {k: check_finite(v, f"{phase} {k}", step) for k, v in metrics.items()
                   if np.ndim(v) == 0}
+        if window is not None:
+          values.update(window(seen))
+          seen = []
         dt = time.perf_counter() - t0
         tps = tokens / dt
         eta = (total_steps - step) * dt / (step - start)

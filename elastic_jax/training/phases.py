@@ -73,12 +73,46 @@ def check_chunk(name: str, chunk) -> None:
     raise ValueError(f"{name} must be an int >= 0 (0: unchunked), got {chunk!r}")
 
 
-def train_step(loss_fn: Callable, opt, out_shardings=None, donate: bool = True):
-  """jitted (state, *args) -> (state, metrics); loss_fn(params, *args) -> (loss, metrics).
+def train_step(loss_fn: Callable, opt, out_shardings=None, donate: bool = True,
+               micro_batches: int = 1, per_micro: Sequence[int] = ()):
+  """jitted (state, x, *args) -> (state, metrics); loss_fn(params, x, *args) -> (loss, metrics).
   On a mesh, `out_shardings` keeps the new state where the old one was. `donate`: the old
-  state's buffers are reused for the new one (params and optimizer state live once)."""
+  state's buffers are reused for the new one (params and optimizer state live once).
+
+  `micro_batches` M > 1 accumulates gradients over M micro-batches in one step: row r of `x`
+  goes to micro-batch r mod M (each device's rows feed every micro-batch, no resharding), the
+  args at positions `per_micro` carry a leading [M] axis (one value per micro-batch), the rest
+  are shared; loss, gradient and metrics are the means over micro-batches. A lax.scan runs them
+  one after another, so activations are held for one micro-batch at a time."""
+  M = micro_batches
+  if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+    raise ValueError(f"micro_batches must be an int >= 1, got {M!r}")
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def loss_and_grad(params, x, *args):
+    if M == 1:
+      args = [a[0] if i in per_micro else a for i, a in enumerate(args)]
+      return grad_fn(params, x, *args)
+    if x.shape[0] % M:
+      raise ValueError(f"batch of {x.shape[0]} rows does not split into {M} micro-batches")
+    xs = jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1)
+    mine = tuple(args[i] for i in per_micro)
+
+    def one(grads, inp):
+      xm, own = inp
+      full = list(args)
+      for i, a in zip(per_micro, own):
+        full[i] = a
+      (loss, metrics), g = grad_fn(params, xm, *full)
+      return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (loss, metrics) = jax.lax.scan(one, zeros, (xs, mine))
+    mean = lambda t: jax.tree.map(lambda v: jnp.mean(v, 0), t)
+    return (mean(loss), mean(metrics)), jax.tree.map(lambda g: g / M, grads)
+
   def step(state, *args):
-    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], *args)
+    (loss, metrics), g = loss_and_grad(state["params"], *args)
     updates, opt_state = opt.update(g, state["opt"], state["params"])
     return ({"params": optax.apply_updates(state["params"], updates), "opt": opt_state},
             {"loss": loss, **metrics})
@@ -122,13 +156,16 @@ def _init_state(params, opt, loop: LoopOptions, params_sharding):
 
 
 def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step=None,
-         describe=None, iterators=None, params_sharding=None):
+         describe=None, iterators=None, params_sharding=None, micro_batches: int = 1,
+         per_micro: Sequence[int] = (), window=None):
   """Trains `params` (returned in their own dtypes) with `loss_fn` and `opt` for `total`
-  steps of batches from `it` (an iterator, or step -> iterator)."""
+  steps of batches from `it` (an iterator, or step -> iterator); `micro_batches` and
+  `per_micro` as `train_step`, `window` as `loop.run_phase`."""
   stored = jax.eval_shape(lambda p: p, params)   # dtypes the model keeps; no buffers held
   state, out_shardings = _init_state(params, opt, loop, params_sharding)
   del params
-  step = train_step(optim.cast_for_step(loss_fn, stored), opt, out_shardings)
+  step = train_step(optim.cast_for_step(loss_fn, stored), opt, out_shardings,
+                    micro_batches=micro_batches, per_micro=per_micro)
   put = ((lambda x: jnp.asarray(x)) if loop.mesh is None else
          (lambda x: shd.shard_batch(x, loop.mesh, loop.rules)))
 
@@ -142,7 +179,7 @@ def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step
   state = run_phase(name, step_fn, state, total, ckpt_dir=loop.ckpt_dir, writer=loop.writer,
                     iterators=iterators or {"train": it}, log_every=loop.log_every,
                     save_every=loop.save_every, keep=loop.keep, describe=describe,
-                    stop_after=loop.stop_after)
+                    stop_after=loop.stop_after, window=window)
   return optim.like(state["params"], stored)
 
 
@@ -175,15 +212,35 @@ def distill(student, student_config: ModelConfig, teacher, teacher_config: Model
   return to_canonical(out, student_config)
 
 
+def check_budget_probs(n_budgets: int, p_full: float, stage2_probs: Sequence[float]) -> None:
+  """ValueError unless `p_full` is a probability and `stage2_probs` is a distribution with one
+  entry per budget (large to small)."""
+  if not 0.0 <= p_full <= 1.0:
+    raise ValueError(f"elastic.p_full must be in [0, 1], got {p_full!r}")
+  p = np.asarray(stage2_probs, float)
+  if p.ndim != 1 or len(p) != n_budgets or np.any(p < 0) or abs(p.sum() - 1.0) > 1e-6:
+    raise ValueError(f"elastic.stage2_probs must be {n_budgets} probabilities (one per budget, "
+                     f"large to small) summing to 1, got {tuple(stage2_probs)!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticSchedule:
-  """Which budget each step trains (METHOD.md section 5), a pure function of (seed, step)."""
+  """Which budget each micro-batch of each step trains (METHOD.md section 5), a pure function
+  of (seed, step). `micro_batches` > 1: a budget per micro-batch, so every optimizer step
+  averages gradients over budgets (as Megatron); 1: one budget per step."""
   n_budgets: int
   stage1_steps: int
   stage2_steps: int
   p_full: float = 0.33
   stage2_probs: Sequence[float] = (0.5, 0.3, 0.2)
   seed: int = 0
+  micro_batches: int = 1
+
+  def __post_init__(self):
+    check_budget_probs(self.n_budgets, self.p_full, self.stage2_probs)
+    if (not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool)
+        or self.micro_batches < 1):
+      raise ValueError(f"elastic.micro_batches must be an int >= 1, got {self.micro_batches!r}")
 
   @property
   def total(self) -> int:
@@ -192,26 +249,28 @@ class ElasticSchedule:
   def stage(self, step: int) -> int:
     return 1 if step <= self.stage1_steps else 2
 
-  def budget(self, step: int) -> int:
-    """Index into the config's budgets: stage 1 full with p_full else uniform over the rest;
-    stage 2 with `stage2_probs` (large to small, renormalised to the budgets there are)."""
+  def budgets(self, step: int) -> tuple[int, ...]:
+    """One index into the config's budgets per micro-batch: stage 1 full with p_full else
+    uniform over the rest; stage 2 with `stage2_probs` (one per budget, large to small)."""
     rng = np.random.default_rng([self.seed, step])
-    n = self.n_budgets
+    n, M = self.n_budgets, self.micro_batches
     if n == 1:
-      return 0
+      return (0,) * M
     if self.stage(step) == 1:
-      return 0 if rng.random() < self.p_full else int(rng.integers(1, n))
-    p = np.resize(np.asarray(self.stage2_probs, float), n)[:n]
-    return int(rng.choice(n, p=p / p.sum()))
+      return tuple(0 if rng.random() < self.p_full else int(rng.integers(1, n))
+                   for _ in range(M))
+    return tuple(int(b) for b in rng.choice(n, size=M, p=np.asarray(self.stage2_probs, float)))
 
 
 def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_steps: int,
                       budget_weight: float = 1.0, hard_prob: float = 0.004,
                       moe_impl: str = "dense", kd_chunk: int = 0):
   """loss_fn({"model", "router"}, rows, teacher, budget index, step, key) -> (loss, metrics):
-  the elastic phase's per-step objective (also what `elastic_jax.plan` compiles). `moe_impl`
-  is the MoE dispatch of student and teacher (`model.moe.MOE_IMPLS`); `kd_chunk` > 0 runs the
-  KD term that many tokens at a time from hidden states (`distill.chunked_forward_kl`)."""
+  the elastic phase's objective on one micro-batch (also what `elastic_jax.plan` compiles).
+  `moe_impl` is the MoE dispatch of student and teacher (`model.moe.MOE_IMPLS`); `kd_chunk` > 0
+  runs the KD term that many tokens at a time from hidden states (`distill.chunked_forward_kl`).
+  Metrics "kd_by_budget" / "n_by_budget" ([n_budgets]: the KD loss and a 1 at the budget
+  trained) give per-budget KD once averaged (`kd_per_budget`)."""
   check_chunk("elastic.kd_chunk", kd_chunk)
   fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
   n = len(config.budgets)
@@ -220,12 +279,33 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
     x = x[:, :-1]  # KD needs no shifted targets; the row's inputs, as in the other phases
     fwd = apply_hidden if kd_chunk else apply
     t = jax.lax.stop_gradient(fwd(teacher, x, config=config, moe_impl=moe_impl))
-    return elastic_loss(state["model"], state["router"], t, x, jax.nn.one_hot(b, n),
-                        fractions[b], step, total_steps, key, config=config, rc=rc,
-                        budget_weight=budget_weight, hard_prob=hard_prob, moe_impl=moe_impl,
-                        teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]),
-                        kd_chunk=kd_chunk)
+    onehot = jax.nn.one_hot(b, n)
+    loss, metrics = elastic_loss(
+        state["model"], state["router"], t, x, onehot, fractions[b], step, total_steps, key,
+        config=config, rc=rc, budget_weight=budget_weight, hard_prob=hard_prob,
+        moe_impl=moe_impl, teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]),
+        kd_chunk=kd_chunk)
+    return loss, {**metrics, "kd_by_budget": onehot * metrics["kd"], "n_by_budget": onehot}
   return loss_fn
+
+
+def kd_per_budget(window: Sequence[dict], names: Sequence[str]) -> dict:
+  """{"kd_<budget>": mean KD loss} over the micro-batches of the logged steps in `window` that
+  trained that budget (budgets not trained in the window are left out)."""
+  kd = sum(np.asarray(m["kd_by_budget"], np.float64) for m in window)
+  n = sum(np.asarray(m["n_by_budget"], np.float64) for m in window)
+  return {f"kd_{name}": float(kd[i] / n[i]) for i, name in enumerate(names) if n[i] > 0}
+
+
+# Positions of the elastic step's args (teacher, budgets, step, keys) that hold one value per
+# micro-batch.
+ELASTIC_PER_MICRO = (1, 3)
+
+
+def micro_keys(base_key, step, micro_batches: int):
+  """[M] Gumbel keys of `step`'s micro-batches, a function of (base_key, step) only."""
+  k = jax.random.fold_in(base_key, step)
+  return jax.vmap(lambda m: jax.random.fold_in(k, m))(jnp.arange(micro_batches))
 
 
 def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.RouterConfig,
@@ -234,14 +314,15 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
             budget_weight: float = 1.0, hard_prob: float = 0.004, seed: int = 0,
             moe_impl: str = "dense", kd_chunk: int = 0, weight_decay: float = 0.0):
   """Elastic KD of the nested `params` (student, initialised from the parent) against the frozen
-  `teacher`. `stage_batches` = {1: stage-1 iterator, 2: stage-2 iterator}. Returns
-  (params, router_params)."""
+  `teacher`, a budget per micro-batch as `schedule` draws them. `stage_batches` = {1: stage-1
+  iterator, 2: stage-2 iterator}. Logs the KD loss per budget. Returns (params, router)."""
   total = schedule.total
   loss_fn = elastic_step_loss(config, rc, total, budget_weight, hard_prob, moe_impl, kd_chunk)
   base_key = rng.key(seed, "gumbel")
   teacher = commit(loop.place_model(to_stack_layout(teacher, config), config))
-  args = lambda i, x: (teacher, jnp.int32(schedule.budget(i)), jnp.int32(i),
-                       jax.random.fold_in(base_key, i))
+  M = schedule.micro_batches
+  args = lambda i, x: (teacher, jnp.asarray(schedule.budgets(i), jnp.int32), jnp.int32(i),
+                       micro_keys(base_key, i, M))
   opt = optim.elastic_adamw(total, lr, router_lr, weight_decay, warmup_steps=warmup)
   names = config.budget_names
   params = to_stack_layout(params, config)
@@ -249,7 +330,9 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
       params, router_params, config, loop.mesh, loop.rules)
   state = _run("elastic", loss_fn, {"model": params, "router": router_params}, opt, total,
                lambda i: stage_batches[schedule.stage(i)], loop, args,
-               describe=lambda i: f"stage {schedule.stage(i)} budget {names[schedule.budget(i)]}",
+               describe=lambda i: (f"stage {schedule.stage(i)} budget "
+                                   f"{','.join(names[b] for b in schedule.budgets(i))}"),
                iterators={f"stage{k}": v for k, v in stage_batches.items()},
-               params_sharding=sharding)
+               params_sharding=sharding, micro_batches=M, per_micro=ELASTIC_PER_MICRO,
+               window=lambda ms: kd_per_budget(ms, names))
   return to_canonical(state["model"], config), state["router"]

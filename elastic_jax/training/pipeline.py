@@ -37,6 +37,11 @@ def check_run_config(c) -> None:
   optim.check_master(c.optim.master)
   phases.check_chunk("pretrain.lm_chunk", c.pretrain.lm_chunk)
   phases.check_chunk("elastic.kd_chunk", c.elastic.kd_chunk)
+  phases.check_budget_probs(len(c.model.budgets), c.elastic.p_full, tuple(c.elastic.stage2_probs))
+  M = c.elastic.micro_batches
+  if not isinstance(M, int) or isinstance(M, bool) or M < 1 or c.data.batch % M:
+    raise ValueError(f"elastic.micro_batches must be an int >= 1 dividing data.batch "
+                     f"({c.data.batch}), got {M!r}")
 
 
 @dataclasses.dataclass
@@ -168,7 +173,8 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
   checkpoint (params + router + the router's counts per budget) in nested/."""
   c, e = run.config, run.config.elastic
   schedule = phases.ElasticSchedule(len(cfg.budgets), e.stage1_steps, e.stage2_steps, e.p_full,
-                                    tuple(e.stage2_probs), rng.seed_for(c.seed, "budget"))
+                                    tuple(e.stage2_probs), rng.seed_for(c.seed, "budget"),
+                                    e.micro_batches)
   rc = router_config(run.config, schedule.total)
   L1, L2 = run.seq_lens
   B = c.data.batch
