@@ -1,4 +1,6 @@
-"""Nemotron 3 Nano 30B-A3B parent (31.58B total / 3.58B active) with 23B / 12B budgets.
+"""Nemotron 3 Nano 30B-A3B parent (31.58B total / 3.58B active) with the paper's budgets,
+named as the paper names them, by total and active parameters: 30B/3.6A (the parent),
+23B/2.8A and 12B/2.0A, each a target on both counts (fractions of the parent's exact counts).
 
 The per-axis choice lists are ours (NVIDIA's exact 23B/12B values are not public; the router picks
 among these). Widths stay multiples of 16 so NVFP4 blocks slice cleanly.
@@ -6,7 +8,7 @@ among these). Widths stay multiples of 16 so NVFP4 blocks slice cleanly.
 from configs import training
 from elastic_jax.config import ModelConfig
 
-MODEL = ModelConfig(
+_PARENT = ModelConfig(
     layer_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
     hidden_size=2688,
     vocab_size=131072,
@@ -22,8 +24,21 @@ MODEL = ModelConfig(
     mamba_head_choices=(64, 56, 48, 40, 32),
     expert_choices=(128, 120, 112, 104, 96, 88, 80, 72, 64),
     moe_ffn_choices=(1856, 1728, 1600, 1472, 1344, 1216, 1088, 960),
-    budgets=(("30B", 1.0), ("23B", 0.78), ("12B", 0.56)),
 )
+# The parent's exact counts (`count_params(_PARENT)`, checked by tests/test_config.py), written
+# out: counting here would start JAX's backends when the config file is read, before a CLI
+# (e.g. the plan's fake devices) has set them up.
+PARENT_TOTAL, PARENT_ACTIVE = 31_577_940_288, 3_580_076_352
+
+
+def _budget(total: float, active: float) -> dict:
+  """Targets for `total` / `active` parameters as fractions of the parent's."""
+  return {"total": total / PARENT_TOTAL, "active": active / PARENT_ACTIVE}
+
+
+MODEL = _PARENT.replace(budgets=(("30B", {"total": 1.0, "active": 1.0}),
+                                 ("23B", _budget(23e9, 2.8e9)),
+                                 ("12B", _budget(12e9, 2.0e9))))
 
 
 def get_config():

@@ -46,6 +46,9 @@ def defaults() -> ml_collections.ConfigDict:
           # Temperature reaches tau_min at this fraction of the elastic steps (tau = decay^step).
           "tau_anneal_frac": 0.8,
           "band": 0.05, "anchor_weight": 10.0,
+          # The serving point of "memory" and "latency" budget targets (elastic/measures.py).
+          "cost": {"weight_format": "bfloat16", "batch": 1, "prompt_len": 1024,
+                   "decode_len": 1024},
       },
       "eval": {"n_reasoning": 64, "sources": ("chain_arithmetic",), "max_think_tokens": 48,
                "max_answer_tokens": 8},

@@ -23,6 +23,23 @@ CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
 PER_LAYER_FIELDS = {"mamba_heads": "mamba_heads_per_layer", "moe_experts": "experts_per_layer",
                     "moe_ffn": "moe_ffn_per_layer"}
 PER_LAYER_KINDS = {"mamba_heads": "M", "moe_experts": "E", "moe_ffn": "E"}
+# What a budget can target, each as a fraction of the parent's value (elastic/measures.py):
+# active / total parameters, inference memory bytes, request latency (an analytic cost model).
+BUDGET_MEASURES = ("active", "total", "memory", "latency")
+
+
+def _targets(name, target) -> tuple[tuple[str, float], ...]:
+  """A budget's targets as ((measure, fraction), ...) in BUDGET_MEASURES order: a number is an
+  active-parameter fraction; a mapping names its measures."""
+  if isinstance(target, Mapping):
+    bad = sorted(set(target) - set(BUDGET_MEASURES))
+    if bad or not target:
+      raise ValueError(f"ModelConfig.budgets: budget {name!r} targets {sorted(target)}; each "
+                       f"must be one of {list(BUDGET_MEASURES)} (at least one)")
+    return tuple((m, float(target[m])) for m in BUDGET_MEASURES if m in target)
+  if isinstance(target, (tuple, list)):  # ((measure, fraction), ...) as normalised here
+    return _targets(name, dict(target))
+  return (("active", float(target)),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +49,9 @@ class ModelConfig:
   Each `*_choices` tuple lists the allowed sizes of one elastic axis, descending, the first being
   the full size. `mamba_head_choices` counts heads over the whole layer (a multiple of
   `mamba_n_groups`: the same number is kept in every group). `budgets` names the nested
-  sub-models and their targets as fractions of the full model's active parameters.
+  sub-models and their targets, each a fraction of the parent's value: a number targets active
+  parameters, a mapping any of `BUDGET_MEASURES` at once (e.g. {"total": 0.73, "active": 0.78});
+  stored as (name, ((measure, fraction), ...)).
   """
   layer_pattern: str
   hidden_size: int
@@ -89,7 +108,7 @@ class ModelConfig:
   mamba_head_choices: tuple[int, ...] = ()
   expert_choices: tuple[int, ...] = ()
   moe_ffn_choices: tuple[int, ...] = ()
-  budgets: tuple[tuple[str, float], ...] = (("full", 1.0),)
+  budgets: tuple[tuple[str, Any], ...] = (("full", 1.0),)
   # Heterogeneous (sliced per-layer) models: one size per layer of that kind; () = homogeneous.
   # The homogeneous fields above then hold the largest per-layer size.
   mamba_heads_per_layer: tuple[int, ...] = ()
@@ -104,7 +123,7 @@ class ModelConfig:
     for name in PER_LAYER_FIELDS.values():
       object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
     object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
-    object.__setattr__(self, "budgets", tuple((str(n), float(f)) for n, f in self.budgets))
+    object.__setattr__(self, "budgets", tuple((str(n), _targets(n, t)) for n, t in self.budgets))
     self._validate()
 
   # ---------------------------------------------------------------- derived shapes
@@ -133,11 +152,21 @@ class ModelConfig:
       raise ValueError(f"unknown budget {name!r}; allowed: {list(self.budget_names)}")
     return name
 
+  def budget_targets(self, name: str) -> dict[str, float]:
+    """{measure: fraction of the parent's value} of budget `name`."""
+    return dict(self.budgets[self.budget_names.index(self.budget_name_check(name))][1])
+
   def budget_fraction(self, name: str) -> float:
-    for n, f in self.budgets:
-      if n == name:
-        return f
-    raise ValueError(f"unknown budget {name!r}; allowed: {list(self.budget_names)}")
+    """The budget's size as one number (its active target, else its first target): orders the
+    budgets and places an off-grid budget between its neighbours."""
+    t = self.budget_targets(name)
+    return t.get("active", next(iter(t.values())))
+
+  @property
+  def budget_measures(self) -> tuple[str, ...]:
+    """The measures any budget targets, in BUDGET_MEASURES order."""
+    used = {m for _, t in self.budgets for m, _ in t}
+    return tuple(m for m in BUDGET_MEASURES if m in used)
 
   @property
   def is_homogeneous(self) -> bool:
@@ -162,7 +191,7 @@ class ModelConfig:
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d["time_step_limit"] = list(self.time_step_limit)
-    d["budgets"] = [list(b) for b in self.budgets]
+    d["budgets"] = [[n, dict(t)] for n, t in self.budgets]
     return d
 
   @classmethod
@@ -240,9 +269,13 @@ class ModelConfig:
     names = [n for n, _ in self.budgets]
     if not names or len(set(names)) != len(names):
       err("budgets", f"need unique budget names, got {names}")
-    fracs = [f for _, f in self.budgets]
-    if fracs[0] != 1.0 or any(not 0 < f <= 1 for f in fracs) or fracs != sorted(fracs, reverse=True):
-      err("budgets", f"fractions must descend from 1.0 within (0, 1], got {fracs}")
+    fracs = [f for _, t in self.budgets for _, f in t]
+    if any(not 0 < f <= 1 for f in fracs) or any(f != 1.0 for _, f in self.budgets[0][1]):
+      err("budgets", f"target fractions must lie in (0, 1], the first budget's all 1.0 (the "
+          f"parent), got {[(n, dict(t)) for n, t in self.budgets]}")
+    sizes = [self.budget_fraction(n) for n in names]
+    if sizes != sorted(sizes, reverse=True):
+      err("budgets", f"budgets must descend in size (active target, else the first), got {sizes}")
 
   def _validate_choices(self, err):
     for field, size_field in CHOICE_FIELDS.values():

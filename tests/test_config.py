@@ -42,7 +42,12 @@ def test_hashable_for_jit():
     ({"mamba_head_choices": (8, 5)}, "mamba_head_choices: \\[5\\] are not multiples"),
     ({"expert_choices": (8, 1)}, "expert_choices: \\[1\\] are below num_experts_per_tok"),
     ({"budgets": (("a", 1.0), ("a", 0.5))}, "budgets: need unique"),
-    ({"budgets": (("a", 0.9),)}, "budgets: fractions"),
+    ({"budgets": (("a", 0.9),)}, "budgets: target fractions must lie in"),
+    ({"budgets": (("a", {"active": 1.0, "total": 0.9}),)}, "the first budget's all 1.0"),
+    ({"budgets": (("a", 1.0), ("b", {"total": 0.0}))}, "target fractions must lie in"),
+    ({"budgets": (("a", 1.0), ("b", {"flops": 0.5}))}, "budget 'b' targets \\['flops'\\]"),
+    ({"budgets": (("a", 1.0), ("b", 0.5), ("c", {"total": 0.3, "active": 0.7}))},
+     "budgets must descend in size"),
 ])
 def test_bad_config_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -52,5 +57,25 @@ def test_bad_config_errors(kwargs, match):
 def test_budget_lookup():
   tiny = model_config("tiny")
   assert tiny.budget_fraction("medium") == pytest.approx(0.78)
+  assert tiny.budget_targets("medium") == {"active": pytest.approx(0.78)}
   with pytest.raises(ValueError, match="unknown budget 'huge'.*full"):
     tiny.budget_fraction("huge")
+
+
+def test_budgets_by_total_and_active():
+  """nano_v3 names its budgets as the paper does: (total, active) parameters, both targets."""
+  from elastic_jax import count_params
+  from configs import nano_v3
+  nano = model_config("nano_v3")
+  full = count_params(nano)
+  assert (full.total, full.active) == (nano_v3.PARENT_TOTAL, nano_v3.PARENT_ACTIVE)
+  assert nano.budget_names == ("30B", "23B", "12B") and nano.budget_measures == ("active", "total")
+  for name, total, active in (("23B", 23e9, 2.8e9), ("12B", 12e9, 2.0e9)):
+    t = nano.budget_targets(name)
+    assert t["total"] * full.total == pytest.approx(total)
+    assert t["active"] * full.active == pytest.approx(active)
+    assert nano.budget_fraction(name) == t["active"]   # orders budgets, places off-grid ones
+  assert ModelConfig.from_dict(nano.to_dict()) == nano and hash(nano)
+  # The old form, one number per budget, is an active-parameter fraction.
+  old = ModelConfig.from_dict({**CFG.to_dict(), "budgets": [["full", 1.0], ["small", 0.5]]})
+  assert old == CFG and old.budget_targets("small") == {"active": 0.5}

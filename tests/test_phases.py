@@ -167,3 +167,22 @@ def test_bf16_model_trains_fp32_masters(cfg, params, tmp_path):
   assert dtypes(meta["params"]) == dtypes(meta["opt"]) == {jnp.dtype(jnp.float32)}
   assert not np.array_equal(np.asarray(out["embed"], np.float32),
                             np.asarray(bparams["embed"], np.float32))
+
+
+def test_elastic_step_trains_every_target_of_a_budget(cfg, params):
+  """A budget with total, active and memory targets: the compiled step's budget loss has a
+  term for each (it differs from the active-only budget's), finite, with router gradients."""
+  rc = R.RouterConfig(hidden=8)
+  rows = jnp.asarray(_rows(cfg, n=2))
+  router = R.init(cfg, rc, jax.random.PRNGKey(0))
+  out = {}
+  for name, small in (("active", 0.6), ("multi", {"total": 0.4, "active": 0.6, "memory": 0.45})):
+    c = cfg.replace(budgets=(("full", 1.0), ("small", small)))
+    loss_fn = jax.jit(phases.elastic_step_loss(c, rc, 10))
+    state = {"model": phases.to_stack_layout(params, c), "router": router}
+    args = (rows, state["model"], jnp.int32(1), jnp.int32(0), jax.random.PRNGKey(0))
+    (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(state, *args)
+    assert np.isfinite(float(loss)) and max(float(jnp.abs(x).max())
+                                            for x in jax.tree.leaves(g["router"])) > 0
+    out[name] = float(m["budget_loss"])
+  assert out["multi"] > out["active"], out

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from elastic_jax import apply, count_params, from_counts
+from elastic_jax.elastic import measures as M
 from elastic_jax.elastic import router as R
 from elastic_jax.elastic.axes import AXES
 
@@ -156,14 +157,50 @@ def test_router_masks_run_one_compiled_forward(cfg, params, tokens):
   assert fwd._cache_size() == 1
 
 
-def test_memory_budget_loss(cfg):
+def test_budget_loss_sums_every_target(cfg):
+  """A budget of several targets: each measure's band term adds up; a 0 leaves a measure free;
+  memory counts total (not active) weights and trains like any target."""
   full = {n: jax.nn.one_hot(jnp.zeros(r, jnp.int32), c) for n, r, c in
           (("hidden", 1, 3), ("mamba_heads", 1, 4), ("moe_experts", 2, 3), ("moe_ffn", 1, 3))}
-  kw = dict(weight_format="fp8", batch=4, seq_len=64)
-  assert float(R.budget_loss(full, cfg, 1.0, RC, measure="memory", **kw)) == 0.0
-  assert float(R.budget_loss(full, cfg, 0.5, RC, measure="memory", **kw)) == pytest.approx(1.0)
-  with pytest.raises(ValueError, match="measure must be"):
-    R.budget_loss(full, cfg, 0.5, RC, measure="flops")
+  half = {n: jax.nn.one_hot(jnp.full(r, 1), c) for n, r, c in
+          (("hidden", 1, 3), ("mamba_heads", 1, 4), ("moe_experts", 2, 3), ("moe_ffn", 1, 3))}
+  counts = R.argmax_counts(half, cfg)
+  pc, pc_full = count_params(cfg, counts), count_params(cfg)
+  total, active = pc.total / pc_full.total, pc.active / pc_full.active
+  assert total < active - 0.05   # fewer experts: total shrinks more than active
+  t = lambda **kw: R.budget_loss(half, cfg, kw, RC)
+  assert float(t(total=total, active=active)) == pytest.approx(0.0, abs=1e-6)
+  # 10% under either target costs its relative error; both add.
+  assert float(t(total=total / 0.9, active=active)) == pytest.approx(0.1, abs=1e-5)
+  assert float(t(total=total, active=active / 0.9)) == pytest.approx(0.1, abs=1e-5)
+  assert float(t(total=total / 0.9, active=active / 0.9)) == pytest.approx(0.2, abs=1e-5)
+  assert float(t(total=0.0, active=active)) == pytest.approx(0.0, abs=1e-6)   # total free
+  assert float(t(active=active)) == float(R.budget_loss(half, cfg, active, RC))
+  # Memory: total weights at the format plus caches; inside its band when it is the target.
+  mem = lambda counts: M.measure(cfg, counts, "memory", RC.cost)
+  assert float(t(memory=mem(counts) / mem(None))) == pytest.approx(0.0, abs=1e-6)
+  assert float(R.budget_loss(full, cfg, {"memory": 0.5}, RC)) == pytest.approx(1.0)
+  g = jax.grad(lambda lg: R.budget_loss({n: jax.nn.softmax(l, -1) for n, l in lg.items()}, cfg,
+                                        {"memory": 0.5}, RC))({n: 3.0 * p for n, p in full.items()})
+  assert float(g["moe_experts"][0, 0]) > 0   # fewer experts lower memory: pushed away from 8
+  # The full budget (every target 1): no band, and anchored.
+  assert float(R.budget_loss(full, cfg, {"total": 1.0, "active": 1.0}, RC)) == 0.0
+  assert float(R.budget_loss(half, cfg, {"total": 1.0, "active": 1.0}, RC)) > 1.0
+
+
+def test_router_alone_meets_total_and_active_targets_for_nano_v3():
+  """The router trained on the budget loss alone against the nano_v3 counter (no weights):
+  its argmax lands within 5% of both the total and the active target of 23B/2.8A and 12B/2.0A,
+  and the parent's budget keeps every axis full."""
+  from configs import model_config
+  nano = model_config("nano_v3")
+  rc = R.RouterConfig(hidden=16)
+  rp = R.fit_to_budgets(nano, rc)
+  for name, total, active in (("23B", 23e9, 2.8e9), ("12B", 12e9, 2.0e9)):
+    pc = count_params(nano, R.chosen_counts(rp, nano, rc, name))
+    assert abs(pc.total / total - 1) <= 0.05 and abs(pc.active / active - 1) <= 0.05, (
+        name, pc.total / 1e9, pc.active / 1e9)
+  assert R.chosen_counts(rp, nano, rc, "30B") == {a: ax.choices(nano)[0] for a, ax in AXES.items()}
 
 
 def test_chosen_counts_off_grid_budget(cfg):

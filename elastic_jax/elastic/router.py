@@ -6,7 +6,7 @@ token-independent. Logits are scaled by a factor rising 1 -> 10 over training an
 Gumbel-softmax at temperature tau = decay^step (floored at 0.05); occasionally a hard
 straight-through sample. Masks: soft staircase sum_i pi_i prefix(k_i), or the argmax prefix
 (scaled by its probability in training, exactly 1 at inference). Budget loss uses the exact
-differentiable counter on expected sizes.
+differentiable measures (`measures.py`) on expected sizes, one term per budget target.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 
 from elastic_jax.elastic.axes import AXES
 from elastic_jax.config import ModelConfig
+from elastic_jax.elastic import measures
 from elastic_jax.elastic.masks import BudgetMasks, axis_mask_shape
-from elastic_jax.elastic.params_count import count_memory, count_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,7 @@ class RouterConfig:
   tau_decay: float = 0.999
   band: float = 0.05
   anchor_weight: float = 10.0
+  cost: measures.CostModel = measures.CostModel()   # the memory / latency measures' setting
 
   def __post_init__(self):
     bad = sorted(set(self.per_layer) - {n for n, a in AXES.items() if a.layer_kind})
@@ -63,7 +64,8 @@ def init(config: ModelConfig, rc: RouterConfig, key) -> dict:
 
 def budget_onehot(config: ModelConfig, budget) -> jax.Array:
   """One-hot of a budget name, or an off-grid fraction interpolated between its neighbours."""
-  names, fracs = config.budget_names, [f for _, f in config.budgets]
+  names = config.budget_names
+  fracs = [config.budget_fraction(n) for n in names]
   if isinstance(budget, str):
     return jax.nn.one_hot(names.index(config.budget_name_check(budget)), len(names))
   b = float(budget)
@@ -177,30 +179,74 @@ def argmax_counts(probs: Mapping[str, Any], config: ModelConfig) -> dict:
   return out
 
 
-def budget_loss(probs: Mapping[str, Any], config: ModelConfig, fraction: float,
-                rc: RouterConfig, measure: str = "active", **memory_kwargs):
-  """|P(expected) / (b P_full) - 1|, zero inside the band for b < 1; for b = 1 (no band) add
-  anchor_weight * MSE(pi, one-hot of the largest choice).
+def budget_targets(config: ModelConfig) -> dict:
+  """{measure: [n_budgets] fractions} of every measure some budget targets, 0 where a budget
+  leaves that measure free: index it with a traced budget index for `budget_loss`."""
+  return {m: jnp.asarray([config.budget_targets(n).get(m, 0.0) for n in config.budget_names],
+                         jnp.float32) for m in config.budget_measures}
 
-  `measure` "active" counts active parameters; "memory" counts inference bytes
-  (`params_count.count_memory`, given `memory_kwargs` such as weight_format, batch, seq_len).
+
+def budget_loss(probs: Mapping[str, Any], config: ModelConfig, targets, rc: RouterConfig):
+  """Sum over the budget's targets of |M(expected) / (f M_full) - 1|, zero inside the band,
+  for each measure M (`measures.measure`: active / total parameters, memory, latency) at its
+  target fraction f; for the full budget (every target 1) no band and add anchor_weight *
+  MSE(pi, one-hot of the largest choice).
+
+  `targets`: {measure: fraction} (values may be traced: one compiled step serves every budget;
+  a fraction of 0 leaves that measure free), or one number, an active-parameter fraction.
   """
-  if measure == "active":
-    size = lambda counts, v: count_params(config, counts, validate=v).active
-  elif measure == "memory":
-    size = lambda counts, v: count_memory(config, counts, validate=v, **memory_kwargs)
-  else:
-    raise ValueError(f"measure must be 'active' or 'memory', got {measure!r}")
-  # As a Python float: a 30B-scale int overflows jax's int32 when it meets a traced value.
-  full = float(size(None, True))
-  active = size(expected_counts(probs, config), False)
-  rel = jnp.abs(active / (fraction * full) - 1.0)
-  # `fraction` may be traced (one compiled step serves every budget). The full budget has no
-  # dead zone (as the reference): it must stay exactly the parent.
-  is_full = jnp.asarray(fraction) >= 1.0
-  loss = jnp.where((rel > rc.band) | is_full, rel, 0.0)
+  if not isinstance(targets, Mapping):
+    targets = {"active": targets}
+  expected = expected_counts(probs, config)
+  fracs = {m: jnp.asarray(f, jnp.float32) for m, f in targets.items()}
+  is_full = jnp.all(jnp.stack([(f >= 1.0) | (f <= 0.0) for f in fracs.values()]))
+  loss = 0.0
+  for m, f in fracs.items():
+    # As a Python float: a 30B-scale int overflows jax's int32 when it meets a traced value.
+    full = float(measures.measure(config, None, m, rc.cost))
+    value = measures.measure(config, expected, m, rc.cost, validate=False)
+    rel = jnp.abs(value / (jnp.where(f > 0, f, 1.0) * full) - 1.0)
+    # The full budget has no dead zone (as the reference): it must stay exactly the parent.
+    loss = loss + jnp.where((f > 0) & ((rel > rc.band) | is_full), rel, 0.0)
   anchor = 0.0
   for pi in probs.values():
     target = jax.nn.one_hot(jnp.zeros(pi.shape[0], jnp.int32), pi.shape[-1])
     anchor = anchor + jnp.mean(jnp.square(pi - target))
   return loss + jnp.where(is_full, rc.anchor_weight * anchor, 0.0)
+
+
+def fit_to_budgets(config: ModelConfig, rc: RouterConfig, steps: int = 150, lr: float = 3e-2,
+                   seed: int = 0, targets: Mapping[str, Any] | None = None) -> dict:
+  """Router params trained on the budget loss alone, for every budget (no weights, no data):
+  the architectures the budgets' targets select before any distillation, e.g. to preview a
+  family. Deterministic softmax (no Gumbel noise), the logit scale rising 1 -> 10 over the
+  first two thirds of the steps, Adam at `lr`. `targets` ({measure: [n_budgets] fractions})
+  replaces the config's (`budget_targets`)."""
+  import optax
+  targets = budget_targets(config) if targets is None else targets
+  n = len(config.budgets)
+  opt = optax.adam(lr)
+
+  def loss(rp, scale):
+    out = 0.0
+    for b in range(n):
+      lg = logits(rp, jax.nn.one_hot(b, n), config, rc)
+      probs = {name: jax.nn.softmax(l * scale, -1) for name, l in lg.items()}
+      t = {m: jnp.asarray(v)[b] for m, v in targets.items()}
+      deployed = {name: straight_through(p) for name, p in probs.items()}
+      out = out + budget_loss(probs, config, t, rc) + budget_loss(deployed, config, t, rc)
+    return out
+
+  @jax.jit
+  def step(rp, state, i):
+    scale = rc.scale_start + (rc.scale_end - rc.scale_start) * jnp.minimum(
+        i / max(1, 2 * steps // 3), 1.0)
+    g = jax.grad(loss)(rp, scale)
+    updates, state = opt.update(g, state, rp)
+    return optax.apply_updates(rp, updates), state
+
+  rp = init(config, rc, jax.random.PRNGKey(seed))
+  state = opt.init(rp)
+  for i in range(steps):
+    rp, state = step(rp, state, i)
+  return rp

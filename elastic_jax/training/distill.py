@@ -68,11 +68,12 @@ def chunked_cross_entropy(hidden_BTD, head_DV, targets_BT, config: ModelConfig, 
   return total / (B * T)
 
 
-def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction, step,
+def elastic_loss(params, router_params, teacher_logits, tokens, onehot, targets, step,
                  total_steps, key, *, config: ModelConfig, rc: router_lib.RouterConfig,
                  budget_weight: float = 1.0, hard_prob: float = 0.004, moe_impl: str = "dense",
                  teacher_lm_head=None, kd_chunk: int = 0):
-  """(loss, metrics) for one micro-batch at one budget. `fraction` is the budget's target.
+  """(loss, metrics) for one micro-batch at one budget. `targets` are the budget's targets
+  ({measure: fraction}, or one active fraction; see `router.budget_loss`).
 
   With `kd_chunk` > 0, `teacher_logits` is the teacher's final hidden states [B,T,D]
   (`model.apply_hidden`) and `teacher_lm_head` its head: the KD term runs `kd_chunk` tokens at
@@ -99,7 +100,7 @@ def elastic_loss(params, router_params, teacher_logits, tokens, onehot, fraction
   # the same loss on the argmax architecture (what is deployed, with the gradient of the
   # router's distribution pi) keeps pi's mode inside the band, where the sample-based term has
   # no gradient once the sample saturates to one-hot.
-  bl = router_lib.budget_loss(probs, config, fraction, rc)
+  bl = router_lib.budget_loss(probs, config, targets, rc)
   deployed = {n: router_lib.straight_through(p) for n, p in router_probs.items()}
-  bl = bl + router_lib.budget_loss(deployed, config, fraction, rc)
+  bl = bl + router_lib.budget_loss(deployed, config, targets, rc)
   return kd + budget_weight * bl, {"kd": kd, "budget_loss": bl, "tau": tau, "scale": scale}

@@ -49,7 +49,7 @@ def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str,
            val_rows, tokenizer, examples: Sequence[Mapping] = (), *,
            max_think_tokens: int = 48, max_answer_tokens: int = 8) -> list[dict]:
   """One row per budget: counts, total / active params and ratio, val loss / ppl, accuracy."""
-  full_active = count_params(config).active
+  full = count_params(config)
   rows = []
   for name, counts in budget_counts.items():
     small, small_cfg = slice_params(params, config, counts)
@@ -58,10 +58,12 @@ def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str,
     acc = answer_accuracy(small, small_cfg, tokenizer, examples, max_think_tokens,
                           max_answer_tokens) if examples else float("nan")
     rows.append({"budget": name, "target": config.budget_fraction(name),
+                 "targets": config.budget_targets(name),
                  "counts": {a: list(v) if isinstance(v, tuple) else int(v)
                             for a, v in counts.items()},
                  "total_params": pc.total, "active_params": pc.active,
-                 "active_ratio": pc.active / full_active, "val_loss": loss,
+                 "active_ratio": pc.active / full.active,
+                 "total_ratio": pc.total / full.total, "val_loss": loss,
                  "val_ppl": math.exp(loss), "answer_acc": acc})
   return rows
 
@@ -74,7 +76,10 @@ def markdown_table(rows: Sequence[Mapping]) -> str:
          "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     counts = ", ".join(str(r["counts"][a]) for a in axes)
-    out.append(f"| {r['budget']} | {r['target']:.2f} | {counts} | {r['total_params']:,} | "
+    targets = r.get("targets") or {"active": r["target"]}
+    target = (f"{r['target']:.2f}" if list(targets) == ["active"] else
+              ", ".join(f"{m} {f:.2f}" for m, f in targets.items()))
+    out.append(f"| {r['budget']} | {target} | {counts} | {r['total_params']:,} | "
                f"{r['active_params']:,} | {r['active_ratio']:.3f} | {r['val_loss']:.3f} | "
                f"{r['val_ppl']:.1f} | {r['answer_acc']:.3f} |")
   return "\n".join(out)

@@ -272,7 +272,7 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
   Metrics "kd_by_budget" / "n_by_budget" ([n_budgets]: the KD loss and a 1 at the budget
   trained) give per-budget KD once averaged (`kd_per_budget`)."""
   check_chunk("elastic.kd_chunk", kd_chunk)
-  fractions = jnp.asarray([f for _, f in config.budgets], jnp.float32)
+  targets = router_lib.budget_targets(config)
   n = len(config.budgets)
 
   def loss_fn(state, x, teacher, b, step, key):
@@ -281,10 +281,10 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
     t = jax.lax.stop_gradient(fwd(teacher, x, config=config, moe_impl=moe_impl))
     onehot = jax.nn.one_hot(b, n)
     loss, metrics = elastic_loss(
-        state["model"], state["router"], t, x, onehot, fractions[b], step, total_steps, key,
-        config=config, rc=rc, budget_weight=budget_weight, hard_prob=hard_prob,
-        moe_impl=moe_impl, teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]),
-        kd_chunk=kd_chunk)
+        state["model"], state["router"], t, x, onehot, {m: v[b] for m, v in targets.items()},
+        step, total_steps, key, config=config, rc=rc, budget_weight=budget_weight,
+        hard_prob=hard_prob, moe_impl=moe_impl,
+        teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]), kd_chunk=kd_chunk)
     return loss, {**metrics, "kd_by_budget": onehot * metrics["kd"], "n_by_budget": onehot}
   return loss_fn
 

@@ -16,6 +16,7 @@ import jax
 from elastic_jax import rng
 from elastic_jax.io import checkpoint
 from elastic_jax.training import data, optim, phases
+from elastic_jax.elastic import measures
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import CHOICE_FIELDS, ModelConfig
 from elastic_jax.elastic.importance import compute_importance
@@ -38,6 +39,8 @@ def check_run_config(c) -> None:
   phases.check_chunk("pretrain.lm_chunk", c.pretrain.lm_chunk)
   phases.check_chunk("elastic.kd_chunk", c.elastic.kd_chunk)
   phases.check_budget_probs(len(c.model.budgets), c.elastic.p_full, tuple(c.elastic.stage2_probs))
+  cost_model(c)
+  ModelConfig.from_dict(c.model.to_dict())  # budgets and shapes, before anything is written
   M = c.elastic.micro_batches
   if not isinstance(M, int) or isinstance(M, bool) or M < 1 or c.data.batch % M:
     raise ValueError(f"elastic.micro_batches must be an int >= 1 dividing data.batch "
@@ -142,6 +145,16 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
   return teacher
 
 
+def cost_model(config) -> measures.CostModel:
+  """The run config's `router.cost` (the memory / latency measures' serving point)."""
+  given = config.router.cost.to_dict()
+  allowed = [f.name for f in dataclasses.fields(measures.CostModel)]
+  unknown = sorted(set(given) - set(allowed))
+  if unknown:
+    raise ValueError(f"router.cost: unknown fields {unknown}; allowed: {allowed}")
+  return measures.CostModel(**given)
+
+
 def router_config(config, total_steps: int) -> router_lib.RouterConfig:
   """RouterConfig from a run config; tau decays to tau_min at `tau_anneal_frac` of training."""
   r = config.router
@@ -149,7 +162,8 @@ def router_config(config, total_steps: int) -> router_lib.RouterConfig:
   return router_lib.RouterConfig(hidden=r.hidden, per_layer=tuple(r.per_layer),
                                  scale_end=r.scale_end, tau_min=r.tau_min,
                                  tau_decay=r.tau_min ** (1.0 / anneal), band=r.band,
-                                 anchor_weight=r.anchor_weight)
+                                 anchor_weight=r.anchor_weight,
+                                 cost=cost_model(config))
 
 
 @dataclasses.dataclass

@@ -1,0 +1,83 @@
+"""Budget measures: the latency cost model against a hand count on a sliced model's own
+weights, memory, differentiability and errors."""
+import jax
+import numpy as np
+import pytest
+
+from elastic_jax import count_params
+from elastic_jax.elastic import measures as M
+from elastic_jax.elastic.params_count import count_memory
+from elastic_jax.elastic.slicing import slice_params
+
+COUNTS = {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12}
+
+
+def _hand_latency(params, cfg, cost):
+  """The module docstring's roofline, with every size read off the sliced weights themselves."""
+  moe = [str(i) for i in cfg.layers_of("E")]
+  routed = sum(params["layers"][i]["mixer"][n].size for i in moe for n in ("up", "down"))
+  total = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  dense = total - params["embed"].size - routed
+  E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+  expert = routed / E                                  # one expert in every MoE layer
+  n_matmul = dense + k * expert
+  bpe = 2.0                                            # bfloat16
+  n_attn = len(cfg.layers_of("*"))
+  attn = 4 * cfg.num_attention_heads * cfg.head_dim * n_attn
+  kv = 2 * cfg.num_kv_heads * cfg.head_dim * cost.kv_bytes * n_attn
+  hp = cfg.mamba_num_heads * cfg.mamba_head_dim       # Mamba states of one sequence
+  states = len(cfg.layers_of("M")) * (hp * cfg.ssm_state_size * 4 + (
+      hp + 2 * cfg.mamba_n_groups * cfg.ssm_state_size) * (cfg.conv_kernel - 1) * 2)
+  touched = lambda n: E * (1 - (1 - k / E) ** n)
+  B, P, G = cost.batch, cost.prompt_len, cost.decode_len
+  t = lambda flops, bytes_: max(flops / cost.peak_flops, bytes_ / cost.hbm_bandwidth)
+  prefill = t(B * P * (2 * n_matmul + attn * P / 2),
+              (dense + touched(B * P) * expert) * bpe + B * P * kv)
+  ctx = P + G / 2
+  step = t(B * (2 * n_matmul + attn * ctx),
+           (dense + touched(B) * expert) * bpe + B * ctx * kv + 2 * B * states)
+  return prefill + G * step
+
+
+@pytest.mark.parametrize("batch, prompt, decode", [(1, 64, 32), (8, 16, 8), (64, 4096, 512)])
+def test_latency_matches_hand_count_on_sliced_weights(cfg, params, batch, prompt, decode):
+  cost = M.CostModel(batch=batch, prompt_len=prompt, decode_len=decode)
+  small, small_cfg = slice_params(params, cfg, COUNTS)
+  want = _hand_latency(small, small_cfg, cost)
+  assert M.count_latency(cfg, COUNTS, cost) == pytest.approx(want, rel=1e-9)
+  assert M.measure(small_cfg, None, "latency", cost) == pytest.approx(want, rel=1e-9)
+  assert M.count_latency(cfg, None, cost) > want      # the parent is slower
+
+
+def test_decode_reads_active_weights_at_batch_one_and_all_at_large_batch(cfg):
+  """Bandwidth-bound decode: batch 1 reads the k routed experts (active weights), so dropping
+  experts saves only their router columns; a large batch reads nearly all experts, so there
+  the expert count matters for latency as much as for memory."""
+  slow = dict(peak_flops=1e30, prompt_len=1, decode_len=1, kv_bytes=1e-9)
+  D, F = cfg.hidden_size, cfg.moe_intermediate_size
+  router_share = (D + 1) / (D + 1 + 2 * D * F)     # of the bytes 4 experts hold per layer
+  for batch, want in ((1, router_share), (4096, 1.0)):
+    cost = M.CostModel(batch=batch, **slow)
+    few, many = (M.count_latency(cfg, {"moe_experts": e}, cost) for e in (4, 8))
+    pc4, pc8 = count_params(cfg, {"moe_experts": 4}), count_params(cfg)
+    # Two passes (prefill of 1 token, 1 decode step), bf16.
+    share = (many - few) / (2 * (pc8.total - pc4.total) * 2.0 / cost.hbm_bandwidth)
+    assert share == pytest.approx(want, abs=1e-3), batch
+
+
+def test_measures_differentiable_and_dispatch(cfg):
+  cost = M.CostModel(batch=16)
+  grads = {name: float(jax.grad(lambda e: M.measure(cfg, dict(COUNTS, moe_experts=e), name, cost,
+                                                    validate=False))(6.0))
+           for name in ("active", "total", "memory", "latency")}
+  # An expert adds only its router column (hidden + 1 per MoE layer) to the active count.
+  assert grads["active"] == 2 * (COUNTS["hidden"] + 1)
+  assert grads["total"] > 10 * grads["active"] and grads["memory"] > 0 and grads["latency"] > 0
+  assert M.measure(cfg, COUNTS, "memory", cost) == count_memory(
+      cfg, COUNTS, batch=16, seq_len=2048)
+  with pytest.raises(ValueError, match="budget measure must be one of"):
+    M.measure(cfg, None, "flops")
+  with pytest.raises(ValueError, match="CostModel.batch must be > 0"):
+    M.CostModel(batch=0)
+  with pytest.raises(ValueError, match="CostModel.weight_format 'int3'"):
+    M.CostModel(weight_format="int3")
