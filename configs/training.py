@@ -34,7 +34,8 @@ def defaults() -> ml_collections.ConfigDict:
           "budget_weight": 1.0, "hard_prob": 0.004,
           "calib_batches": 8,                 # importance ranking before nesting
           # MoE dispatch of student and teacher: "dense" (every expert on every token; exact
-          # and simple at tiny sizes), "ragged" (grouped matmul of the routed tokens), "gather".
+          # and simple at tiny sizes), "ragged" (grouped matmul of the routed tokens), "gather",
+          # "ep" (experts split over the mesh's expert axis, ragged on each shard).
           "moe_impl": "dense",
           # > 0: the KD loss runs this many tokens at a time from hidden states, never holding
           # [batch, seq, vocab] logits (long contexts, large vocabularies); 0: one shot.

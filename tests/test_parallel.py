@@ -1,6 +1,8 @@
 """Meshes and shardings on 8 host devices: every large leaf really sharded, sharded forward and
 gradients equal to one device, training phases on a mesh equal to one device, and a phase that
 resumes on a different mesh shape."""
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -59,24 +61,34 @@ def test_every_large_leaf_is_sharded(cfg, params, mesh, scan):
   chex.assert_trees_all_equal(jax.device_get(placed), jax.device_get(p))
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_sharded_forward_and_grads_equal_one_device(cfg, params, mesh, scan):
+@pytest.mark.parametrize("scan, moe_impl", [(False, "dense"), (True, "dense"), (True, "ep")])
+def test_sharded_forward_and_grads_equal_one_device(cfg, params, mesh, scan, moe_impl):
+  """Also with the experts split over the mesh's expert axis (moe_impl "ep", a shard_map
+  inside the scanned stack), against the single-device dense MoE."""
   c = cfg.replace(scan_layers=scan)
   p = to_stack_layout(params, c)
   toks = jnp.asarray(np.random.RandomState(1).randint(0, cfg.vocab_size, (8, 13)), jnp.int32)
   masks = from_counts(cfg, COUNTS)
 
-  @jax.jit
-  def f(p, x):
-    loss = lambda p: (jnp.mean(apply(p, x, masks, config=c) ** 2)
-                      + phases.lm_loss(p, x, c))
-    return jax.value_and_grad(loss)(p)
+  def f(impl):
+    @jax.jit
+    def g(p, x):
+      loss = lambda p: (jnp.mean(apply(p, x, masks, config=c, moe_impl=impl) ** 2)
+                        + phases.lm_loss(p, x, c))
+      return jax.value_and_grad(loss)(p)
+    return g
 
-  want = f(p, toks)
+  want = f("dense")(p, toks)
   sp = jax.device_put(p, S.param_shardings(p, c, mesh))
-  got = f(sp, S.shard_batch(toks, mesh))
+  # "ep" finds its mesh in the context (the training phases trace every step under it).
+  with S.activation_context(mesh) if moe_impl == "ep" else contextlib.nullcontext():
+    got = f(moe_impl)(sp, S.shard_batch(toks, mesh))
   chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=1e-5, atol=1e-6)
-  assert S.replicated_leaves(got[1], min_size=256) == []   # gradients stay sharded like params
+  if moe_impl != "ep":
+    # Gradients stay sharded like params. (Under the activation context, with any MoE path, a
+    # few gradient leaves come out replicated when nothing pins them; the training step pins
+    # its outputs with out_shardings.)
+    assert S.replicated_leaves(got[1], min_size=256) == []
 
 
 def test_activation_constraints_at_block_boundaries(cfg, params, tokens, mesh):

@@ -2,10 +2,11 @@
 gates times `routed_scaling_factor`, squared-ReLU experts (not gated), plus one shared expert.
 
 Leaves: router [D,E] fp32, router_bias [E] fp32, up [E,D,F], down [E,F,D], shared_up [D,Fs],
-shared_down [Fs,D]. Three dispatch paths that compute the same function: "dense" (every expert on
+shared_down [Fs,D]. Four dispatch paths that compute the same function: "dense" (every expert on
 every token, weighted by a sparse gate matrix; for CPU / tiny shapes), "ragged" (tokens sorted
-by expert, `jax.lax.ragged_dot` grouped matmuls) and "gather" (each token gathers its k experts'
-weights: reads only active weights, for decoding a few tokens at a time).
+by expert, `jax.lax.ragged_dot` grouped matmuls), "gather" (each token gathers its k experts'
+weights: reads only active weights, for decoding a few tokens at a time) and "ep" (expert
+parallel: "ragged" on each shard of the mesh's `expert` axis, `model/moe_parallel.py`).
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
+from elastic_jax.model import moe_parallel
 
-MOE_IMPLS = ("dense", "ragged", "gather")
+MOE_IMPLS = ("dense", "ragged", "gather", "ep")
 
 
 class MoE(nn.Module):
@@ -89,19 +91,7 @@ def _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=False):
 
 
 def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_):
-  T, k = idx.shape
-  E = p["up"].shape[0]
-  flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  token_of = order // k
-  group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-  xs = x_TD[token_of]
-  h = jax.lax.ragged_dot(xs, p["up"].astype(dt_), group_sizes)
-  if ffn_mask_F is not None:
-    h = h * ffn_mask_F.astype(dt_)
-  y = jax.lax.ragged_dot(relu2(h), p["down"].astype(dt_), group_sizes)
-  y = y * gates.reshape(-1)[order][:, None].astype(dt_)
-  return jnp.zeros_like(x_TD).at[token_of].add(y)
+  return moe_parallel.local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_)
 
 
 def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
@@ -112,7 +102,8 @@ def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
   return jnp.einsum("tk,tkd->td", gates.astype(dt_), y)
 
 
-_EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _experts_gather}
+_EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _experts_gather,
+            "ep": moe_parallel.routed_experts}
 
 
 def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,

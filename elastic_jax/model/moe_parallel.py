@@ -1,0 +1,90 @@
+"""Expert parallelism: the routed experts split over the mesh's `expert` axis, computed inside a
+`jax.shard_map` island.
+
+The fp32 router runs outside the island (its [D, E] weights are small); inside, each expert
+shard holds E / EP consecutive experts and computes, dropless, every assignment of its tokens
+to those experts (sorted by expert, `jax.lax.ragged_dot` grouped matmuls, the other shards'
+assignments parked past the last group, where ragged_dot writes zeros), then the shards' partial
+outputs are summed:
+- tokens not split over `expert` (the batch rule leaves that axis out): every shard already
+  holds the same tokens; `psum` over `expert` adds the shards' parts;
+- tokens split over `expert` too ("ep_gather", the portable path): `all_gather` the shard group's
+  tokens, compute, `psum_scatter` each token's sum back to the shard that owns it.
+Weights enter the island gathered over every other axis (FSDP / tensor: one layer's experts at a
+time) and split over `expert`. Outside a mesh with an `expert` axis larger than 1, the same
+function runs the single-device ragged path.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+EXPERT_AXIS = "expert"
+
+
+def expert_mesh():
+  """The ambient mesh (`jax.set_mesh`) if it splits experts over an `expert` axis > 1, else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or EXPERT_AXIS not in mesh.axis_names or mesh.shape[EXPERT_AXIS] == 1:
+    return None
+  return mesh
+
+
+def local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0):
+  """sum_k gate * expert(x) over the assignments (t, k) whose expert lies in this shard's
+  [first, first + E_local); the rest contribute 0. Dropless, static shapes."""
+  T, k = idx.shape
+  E = up.shape[0]
+  flat = idx.reshape(-1) - first
+  mine = (flat >= 0) & (flat < E)
+  group = jnp.where(mine, flat, E)               # others sort last, past every group
+  order = jnp.argsort(group, stable=True)
+  token_of = order // k
+  group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
+  h = jax.lax.ragged_dot(x_TD[token_of], up.astype(dt_), group_sizes)
+  if ffn_mask_F is not None:
+    h = h * ffn_mask_F.astype(dt_)
+  y = jax.lax.ragged_dot(jnp.square(jax.nn.relu(h)), down.astype(dt_), group_sizes)
+  g = jnp.where(mine, gates.reshape(-1), 0.0)[order]
+  y = y * g[:, None].astype(dt_)
+  return jnp.zeros_like(x_TD).at[token_of].add(y)
+
+
+def _batch_axes() -> tuple[str, ...]:
+  """Mesh axes the token batch is split over, from the logical-axis rules in context."""
+  spec = nn.logical_to_mesh_axes(("batch",))
+  axes = spec[0] if len(spec) else None
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_):
+  """The routed experts' output [T, D], split over the mesh's `expert` axis when there is one."""
+  mesh = expert_mesh()
+  if mesh is None:
+    return local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_)
+  E, ep = p["up"].shape[0], mesh.shape[EXPERT_AXIS]
+  if E % ep:
+    raise ValueError(f"{E} routed experts do not split over expert axis of size {ep}")
+  batch = tuple(a for a in _batch_axes() if a in mesh.axis_names)
+  split = EXPERT_AXIS in batch
+  rows = P(batch or None)
+
+  def island(x, g, i, up, down):
+    if split:
+      x, g, i = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (x, g, i))
+    else:
+      # The same tokens on every expert shard, each using them for its own experts: typed as
+      # varying so that their cotangents are summed over the shards (pcast's transpose is a
+      # psum; the implicit cast jax inserts misses the gather below and keeps one shard's part).
+      x, g = (jax.lax.pcast(a, EXPERT_AXIS, to="varying") for a in (x, g))
+    first = jax.lax.axis_index(EXPERT_AXIS) * up.shape[0]
+    y = local_experts(x, g, i, up, down, ffn_mask_F, dt_, first)
+    if split:
+      return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(y, EXPERT_AXIS)
+
+  experts = P(EXPERT_AXIS)
+  return jax.shard_map(island, mesh=mesh, in_specs=(rows, rows, rows, experts, experts),
+                       out_specs=rows)(x_TD, gates, idx, p["up"], p["down"])
