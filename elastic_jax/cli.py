@@ -35,4 +35,37 @@ def run(main: Callable[[list[str]], object]) -> None:
         raise
       print(f"error: {e}", file=sys.stderr, flush=True)
       sys.exit(1)
-  app.run(guarded)
+  try:
+    app.run(guarded)
+  except AttributeError as e:   # ml_collections on `--config.<unknown>=...`, while parsing flags
+    _unknown_override_exit(e)
+
+
+def define_config_file(name: str, default: str, help_: str):
+  """`config_flags.DEFINE_config_file`, with an unknown `--config.<field>` override (which
+  ml_collections reports as a bare AttributeError while defining the flag) as one line."""
+  from ml_collections import config_flags
+  try:
+    return config_flags.DEFINE_config_file(name, default, help_)
+  except AttributeError as e:
+    _unknown_override_exit(e)
+
+
+def _unknown_override_exit(e: AttributeError):
+  bad = unknown_config_override(str(e), sys.argv[1:])
+  if bad is None or os.environ.get("ELASTIC_JAX_TRACEBACK"):
+    raise e
+  print(f"error: {bad}: unknown config field (see configs/training.py for the fields)",
+        file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+def unknown_config_override(message: str, argv: list[str]) -> str | None:
+  """The `--config.a.b` flag whose last name is the attribute ml_collections reported missing
+  (`message` is its AttributeError text, e.g. "'foo'"), or None."""
+  name = message.strip("\"'")
+  for arg in argv:
+    flag = arg.split("=", 1)[0]
+    if flag.startswith("--config.") and flag.rsplit(".", 1)[-1] == name:
+      return flag
+  return None

@@ -35,7 +35,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   from absl import logging
-  logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
+  logging.set_verbosity(logging.ERROR)  # Orbax logs every file at INFO, chunking hints at WARNING
   import jax
 
   from elastic_jax import rng

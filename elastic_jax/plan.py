@@ -17,11 +17,10 @@ import math
 import os
 
 from absl import flags
-from ml_collections import config_flags
 
 from elastic_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.define_config_file(
     "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "nano_v3.py"), "run config (a configs/*.py file)")
 flags.DEFINE_integer("devices", 64, "fake CPU devices to plan on (ignored on an accelerator)")

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 
 from absl import flags
@@ -43,6 +44,10 @@ def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False
   from elastic_jax import count_params
   from elastic_jax.io import checkpoint, hf
 
+  src, dst = os.path.realpath(checkpoint_dir), os.path.realpath(out)
+  if src == dst or src.startswith(dst + os.sep):
+    raise ValueError(f"--out {out} is or contains the source checkpoint {checkpoint_dir}; "
+                     "write the slice elsewhere")
   t0 = time.perf_counter()
   before = checkpoint.bytes_read()
   params, cfg = checkpoint.restore(checkpoint_dir, budget)
@@ -50,11 +55,11 @@ def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False
   pc = count_params(cfg)
   print(f"restored budget {budget or 'full'}: {pc.total:,} total / {pc.active:,} active params, "
         f"{read / 1e6:.1f} MB read in {time.perf_counter() - t0:.1f}s", flush=True)
-  meta = checkpoint.load_metadata(checkpoint_dir)
   if fmt == "hf":
     hf.save_pretrained(out, params, cfg, overwrite=overwrite)
   else:
-    checkpoint.save(out, params, cfg, tokenizer=meta.get("tokenizer"), overwrite=overwrite,
+    checkpoint.save(out, params, cfg, tokenizer=checkpoint.tokenizer_file(checkpoint_dir),
+                    overwrite=overwrite,
                     extra={"sliced_from": checkpoint_dir, "budget": budget})
   print(f"wrote {fmt} sub-model to {out}")
   return out
@@ -63,7 +68,7 @@ def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False
 def main(argv):
   del argv
   from absl import logging
-  logging.set_verbosity(logging.WARNING)  # Orbax logs every file at INFO
+  logging.set_verbosity(logging.ERROR)  # Orbax logs every file at INFO, chunking hints at WARNING
   run(FLAGS.checkpoint, parse_budget(FLAGS.budget), FLAGS.out, FLAGS.format, FLAGS.overwrite)
 
 

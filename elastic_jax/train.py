@@ -15,17 +15,19 @@ import os
 import time
 
 from absl import flags
-from ml_collections import config_flags
 
 from elastic_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.define_config_file(
     "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "tiny.py"),
     "run config (a configs/*.py file); override fields with --config.<section>.<field>=...")
 flags.DEFINE_string("workdir", "runs/tiny", "output directory (re-run to resume)")
 flags.DEFINE_string("hf_dir", None, "start from this local Nemotron-H parent instead of pretraining")
 flags.DEFINE_list("data_files", [], "local .txt/.jsonl files instead of the embedded corpus")
+flags.DEFINE_bool("restart", False, "remove this workdir's run outputs (checkpoints, parent, "
+                  "nested, metrics, tokenizer) and start over; needed to rerun it with other "
+                  "settings")
 flags.DEFINE_string("coordinator_address", None, "multi-process: host:port of process 0")
 flags.DEFINE_integer("num_processes", None, "multi-process: how many processes")
 flags.DEFINE_integer("process_id", None, "multi-process: this process's index")
@@ -44,7 +46,9 @@ def main(argv):
   from elastic_jax.training import evaluate, pipeline
 
   t_start = time.perf_counter()
-  run = pipeline.Run(_CONFIG.value, FLAGS.workdir)
+  inputs = {"hf_dir": FLAGS.hf_dir and os.path.abspath(FLAGS.hf_dir),
+            "data_files": [os.path.abspath(f) for f in FLAGS.data_files]}
+  run = pipeline.Run(_CONFIG.value, FLAGS.workdir, inputs, restart=FLAGS.restart)
   cfg, hf_params = pipeline.model_config(run, FLAGS.hf_dir)
   td = pipeline.load_data(run, cfg, FLAGS.data_files)
   teacher = pipeline.nested_parent(run, cfg, td, hf_params)

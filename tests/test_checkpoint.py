@@ -1,6 +1,7 @@
 """Nested checkpoint: atomic save, full and sub-model restore (prefix reads), clear errors."""
 import json
 import os
+import shutil
 
 import chex
 import jax
@@ -16,9 +17,12 @@ SMALL = {"hidden": 16, "mamba_heads": (2, 8), "moe_experts": 4, "moe_ffn": 8}
 
 @pytest.fixture(scope="module")
 def ckpt(cfg, params, tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("ck") / "nested")
+  d = tmp_path_factory.mktemp("ck")
+  path, tok = str(d / "nested"), str(d / "tok.json")
+  with open(tok, "w") as f:
+    f.write('{"run": "this one"}')
   router = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
-  checkpoint.save(path, params, cfg, router=router, chunk_byte_size=1024, tokenizer="tok.json",
+  checkpoint.save(path, params, cfg, router=router, chunk_byte_size=1024, tokenizer=tok,
                   budget_counts={"full": {}, "small": SMALL})
   return path
 
@@ -30,7 +34,7 @@ def test_full_restore_roundtrip(cfg, params, ckpt):
                               jax.tree_util.tree_map(np.asarray, params))
   np.testing.assert_array_equal(checkpoint.restore_router(ckpt)["w"], np.arange(6.0).reshape(2, 3))
   meta = checkpoint.load_metadata(ckpt)
-  assert meta["tokenizer"] == "tok.json" and meta["axes"]["hidden"] == [32, 24, 16]
+  assert meta["tokenizer"] == "tokenizer.json" and meta["axes"]["hidden"] == [32, 24, 16]
 
 
 def test_sub_model_restore_reads_prefix_only(cfg, params, tokens, ckpt):
@@ -56,6 +60,36 @@ def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
   checkpoint.save(target, params, cfg)
   checkpoint.save(target, params, cfg, overwrite=True)
   assert sorted(os.listdir(tmp_path)) == ["c"]
+  # overwrite replaces only a checkpoint of ours, never another folder.
+  user = tmp_path / "thesis"
+  user.mkdir()
+  (user / "chapter1.tex").write_text("precious")
+  with pytest.raises(CheckpointError, match="refusing to replace .*thesis.*not a checkpoint"):
+    checkpoint.save(str(user), params, cfg, overwrite=True)
+  assert (user / "chapter1.tex").read_text() == "precious"
+
+
+def test_tokenizer_travels_inside_the_checkpoint(cfg, params, ckpt, tmp_path):
+  """A moved checkpoint uses its own tokenizer, not whatever its old path now holds."""
+  moved = str(tmp_path / "moved")
+  shutil.copytree(ckpt, moved)
+  with open(os.path.join(os.path.dirname(ckpt), "tok.json"), "w") as f:
+    f.write('{"run": "another one"}')
+  with open(checkpoint.tokenizer_file(moved)) as f:
+    assert f.read() == '{"run": "this one"}'
+  assert checkpoint.load_metadata(moved)["tokenizer"] == "tokenizer.json"
+  with pytest.raises(CheckpointError, match="tokenizer file .*nope.json.* not found"):
+    checkpoint.save(str(tmp_path / "x"), params, cfg, tokenizer=str(tmp_path / "nope.json"))
+
+
+def test_slice_refuses_to_write_over_its_source(ckpt, tmp_path):
+  """`slice --out` equal to the source (or a folder holding it) would replace the family by
+  one slice: refused before anything is read."""
+  from elastic_jax.slice import run
+  for out in (ckpt, os.path.dirname(ckpt)):
+    with pytest.raises(ValueError, match="is or contains the source checkpoint"):
+      run(ckpt, "small", out, "orbax", overwrite=True)
+  assert checkpoint.is_checkpoint(ckpt)
 
 
 def test_bad_budget_and_counts(ckpt):
@@ -98,6 +132,7 @@ def test_slice_cli_subprocess(ckpt, tmp_path):
                       "--budget=small", f"--out={out}"], capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "restored budget small" in r.stdout and "wrote orbax sub-model" in r.stdout
+  assert r.stderr.strip() == "", r.stderr[-2000:]   # no third-party noise a user cannot act on
   assert checkpoint.load_config(out).hidden_size == 16
   r = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={ckpt}",
                       "--budget=huge", f"--out={out}2"], capture_output=True, text=True, timeout=300)

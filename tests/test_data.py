@@ -94,6 +94,16 @@ def test_local_files(tmp_path):
     data.local_corpus([str(tmp_path / "d.csv")])
   with pytest.raises(ValueError, match="does not exist"):
     data.local_corpus([str(tmp_path / "nope.txt")])
+  # Errors name the file (and line): UTF-16, binary, a null or non-string "text".
+  (tmp_path / "u16.txt").write_text("hello\nworld\n", encoding="utf-16")
+  with pytest.raises(ValueError, match="u16.txt.*not UTF-8 text near line 1"):
+    data.local_corpus([str(tmp_path / "u16.txt")])
+  (tmp_path / "bin.txt").write_bytes(b"ok line\nab\x00\x00cd\n")
+  with pytest.raises(ValueError, match="bin.txt:2: NUL bytes"):
+    data.local_corpus([str(tmp_path / "bin.txt")])
+  (tmp_path / "null.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
+  with pytest.raises(ValueError, match="null.jsonl:2: 'text' must be a string, got None"):
+    data.local_corpus([str(tmp_path / "null.jsonl")])
 
 
 def _take(it, n):

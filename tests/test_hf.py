@@ -86,6 +86,27 @@ def test_export_loads_in_transformers(cfg, params, tokens, tmp_path):
                               jax.tree_util.tree_map(np.asarray, params))
 
 
+def test_overwrite_removes_the_old_weight_files(cfg, params, tmp_path):
+  """Exporting over a folder that held a sharded model: the old shards and index go (loading
+  must never see old tensors); other files (a tokenizer) stay; no overwrite, no write."""
+  c = cfg.replace(**_overrides(cfg))
+  hf.save_pretrained(str(tmp_path), params, c)
+  old = dict(st.load_file(str(tmp_path / "model.safetensors")))
+  stale = {k: np.full_like(v, 7) for k, v in old.items()}
+  os.remove(tmp_path / "model.safetensors")
+  st.save_file(stale, str(tmp_path / "model-00001-of-00001.safetensors"))
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {k: "model-00001-of-00001.safetensors" for k in stale}}))
+  (tmp_path / "tokenizer.json").write_text("{}")
+  with pytest.raises(hf.HFFormatError, match="already holds a model"):
+    hf.save_pretrained(str(tmp_path), params, c)
+  hf.save_pretrained(str(tmp_path), params, c, overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+  _, back = hf.load_pretrained(str(tmp_path), **_overrides(cfg))
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, back),
+                              jax.tree_util.tree_map(np.asarray, params))
+
+
 def test_config_roundtrip(cfg):
   back = hf.config_from_hf(json.loads(json.dumps(hf.config_to_hf(cfg))))
   assert back == cfg.replace(hidden_choices=(), mamba_head_choices=(), expert_choices=(),
@@ -117,6 +138,11 @@ def test_bad_checkpoints(cfg, hf_folder, tmp_path):
   wrong["backbone.layers.1.mixer.q_proj.weight"] = np.zeros((64, 32), np.float32)
   with pytest.raises(ValueError, match="\\['mixer'\\]\\['q'\\]: shape \\(32, 8, 8\\)"):
     hf.params_from_hf(wrong, c)
+  ints = dict(tensors)   # an I32 header on what should be float data
+  ints["backbone.layers.0.mixer.D"] = tensors["backbone.layers.0.mixer.D"].view(np.int32)
+  with pytest.raises(ValueError, match=r"\['mixer'\]\['D'\]: stored as int32, a float "
+                                       "parameter needs a floating dtype"):
+    hf.params_from_hf(ints, c)
   extra = {**tensors, "backbone.layers.9.norm.weight": np.zeros(3, np.float32)}
   with pytest.raises(ValueError, match="tensors this config does not use"):
     hf.params_from_hf(extra, c)

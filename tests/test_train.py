@@ -164,6 +164,12 @@ def test_train_cli_user_error_is_one_line(tmp_path):
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and r.stderr.strip() == (
       f"error: data file {str(bad)!r}: expected .txt or .jsonl"), r.stderr[-2000:]
+  r = subprocess.run(_cmd(str(tmp_path / "run2")) + ["--config.data.foo=1"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and r.stderr.strip() == (
+      "error: --config.data.foo: unknown config field (see configs/training.py for the fields)"
+  ), r.stderr[-2000:]
+  assert not (tmp_path / "run2").exists()
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -172,6 +178,12 @@ def test_train_cli_user_error_is_one_line(tmp_path):
     ("optim.master", "fp16", "optim.master must be one of"),
     ("elastic.kd_chunk", -1, "elastic.kd_chunk must be an int >= 0"),
     ("elastic.stage2_probs", (0.6, 0.4), r"elastic.stage2_probs must be 3 probabilities"),
+    ("data.seq_len", 0, "data.seq_len must be an int >= 2, got 0"),
+    ("elastic.stage2_len_mult", 0, "elastic.stage2_len_mult must be an int >= 1, got 0"),
+    ("router.tau_min", 0.0, "router.tau_min must be a number > 0 and <= 1, got 0.0"),
+    ("pretrain.lr", -1e-3, "pretrain.lr must be a number > 0, got -0.001"),
+    ("data.n_text", -5, "data.n_text must be an int >= 0, got -5"),
+    ("elastic.hard_prob", 2.0, "elastic.hard_prob must be a number >= 0 and <= 1, got 2.0"),
 ])
 def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, value, match):
   from configs import tiny
@@ -183,3 +195,58 @@ def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, v
     pipeline.Run(c, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
   pipeline.check_run_config(tiny.get_config())
+
+
+def test_one_run_per_workdir(tmp_path):
+  """A second run on a workdir in use fails at once naming the holder; the lock goes with the
+  process that held it (a killed run leaves none behind), and the next run cleans the
+  unfinished saves it left."""
+  from configs import tiny
+  from elastic_jax.io.lock import WorkdirBusy
+  from elastic_jax.training import pipeline
+  first = pipeline.Run(tiny.get_config(), str(tmp_path / "run"))
+  with pytest.raises(WorkdirBusy, match=f"in use by another run \\(pid {os.getpid()}\\)"):
+    pipeline.Run(tiny.get_config(), str(tmp_path / "run"))
+  first._lock.close()
+  holder = subprocess.Popen([sys.executable, "-c", (
+      "import sys, time; from elastic_jax.io.lock import lock_workdir; "
+      f"l = lock_workdir({str(tmp_path / 'run')!r}); print('locked', flush=True); time.sleep(60)")],
+      stdout=subprocess.PIPE, text=True, cwd=ROOT)
+  assert holder.stdout.readline().strip() == "locked"
+  with pytest.raises(WorkdirBusy, match=f"pid {holder.pid}"):
+    pipeline.Run(tiny.get_config(), str(tmp_path / "run"))
+  holder.kill()
+  holder.wait()
+  # The next run removes unfinished saves a killed run left (only ours: <name>.tmp-<pid>-<ns>).
+  for name in ("nested.tmp-123-456", "parent.tmp-9-10", "notes.tmp-x"):
+    os.makedirs(tmp_path / "run" / name / "params")
+  pipeline.Run(tiny.get_config(), str(tmp_path / "run"))._lock.close()
+  assert sorted(p.name for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name) == [
+      "notes.tmp-x"]
+
+
+def test_rerun_with_other_settings_is_refused(tmp_path):
+  """A workdir remembers the settings that decide its result: a rerun that changes one is
+  refused naming it (logging and checkpoint cadence may change); `restart` clears the run's
+  outputs (only those) and starts over."""
+  from configs import tiny
+  from elastic_jax.training import pipeline
+  work = str(tmp_path / "run")
+  pipeline.Run(tiny.get_config(), work, {"data_files": ["/a.txt"]})._lock.close()
+  pipeline.Run(tiny.get_config(), work, {"data_files": ["/a.txt"], "hf_dir": None})._lock.close()
+  same = tiny.get_config()
+  same.log_every, same.checkpoint.save_every = 1, 7
+  pipeline.Run(same, work, {"data_files": ["/a.txt"]})._lock.close()
+  other = tiny.get_config()
+  other.elastic.lr = 5e-4
+  other.model.hidden_choices = (96, 64)
+  with pytest.raises(ValueError, match=r"other settings \(config.elastic.lr, "
+                                       r"config.model.hidden_choices\).*--restart"):
+    pipeline.Run(other, work, {"data_files": ["/a.txt"]})
+  with pytest.raises(ValueError, match=r"other settings \(inputs.data_files\)"):
+    pipeline.Run(tiny.get_config(), work, {"data_files": ["/b.txt"]})
+  os.makedirs(os.path.join(work, "parent"))
+  (tmp_path / "run" / "notes.txt").write_text("mine")
+  pipeline.Run(other, work, {"data_files": ["/a.txt"]}, restart=True)._lock.close()
+  assert sorted(os.listdir(work)) == [".lock", "notes.txt", "run_config.json"]
+  pipeline.Run(other, work, {"data_files": ["/a.txt"]})._lock.close()   # the new settings stick

@@ -13,7 +13,6 @@ name: standalone sub-models cut to their shapes ("sliced") or the parent with bu
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -89,16 +88,11 @@ class Family:
     return self._slices[budget]
 
 
-def _tokenizer_path(path: str, meta: dict) -> str:
-  ref = meta.get("tokenizer")
-  if not ref:
+def _tokenizer_path(path: str) -> str:
+  found = checkpoint.tokenizer_file(path)
+  if found is None:
     raise ValueError(f"{path}: the checkpoint names no tokenizer (save it with tokenizer=...)")
-  # A relative reference was written relative to the training run's working directory; also
-  # look next to the checkpoint (train writes tokenizer.json beside nested/).
-  for cand in (ref, os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(ref))):
-    if os.path.isfile(cand):
-      return cand
-  raise ValueError(f"{path}: tokenizer file {ref!r} not found")
+  return found
 
 
 def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense") -> Family:
@@ -108,7 +102,7 @@ def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense") -> Fam
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; allowed: {list(MODES)}")
   meta = checkpoint.load_metadata(path)
-  tok = load_tokenizer(_tokenizer_path(path, meta))
+  tok = load_tokenizer(_tokenizer_path(path))
   special_ids(tok)  # fail early if the tokenizer lacks <eos> or </think>
   params, cfg = checkpoint.restore(path)
   return Family(params, cfg, meta.get("budget_counts", {}), tok, mode, moe_impl)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from typing import Any, Mapping
@@ -26,6 +27,7 @@ from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
 
 FORMAT = "elastic-jax-nested-v2"
+TOKENIZER_FILE = "tokenizer.json"   # stored inside the checkpoint folder
 # v1 (elastic-jax 0.1): layers as a list and bare norm weights; restored through `layouts`.
 LEGACY_FORMATS = ("elastic-jax-nested-v1",)
 # Each leaf is split into about CHUNKS_PER_LEAF chunks (bounded in bytes): fine enough that a
@@ -60,6 +62,14 @@ def _check_params(params, config: ModelConfig, what: str):
       raise CheckpointError(f"{what}: leaf {k} has shape {got[k]}, config expects {shape}")
 
 
+def leftover_tmp_dirs(directory: str) -> list[str]:
+  """Names in `directory` of unfinished `save` outputs (`<name>.tmp-<pid>-<ns>` folders that a
+  killed process left; a finished save renames its folder)."""
+  pat = re.compile(r"^.+\.tmp-\d+-\d+$")
+  return sorted(n for n in os.listdir(directory)
+                if pat.match(n) and os.path.isdir(os.path.join(directory, n)))
+
+
 def save(path: str, params, config: ModelConfig, *, router=None,
          budget_counts: Mapping[str, Mapping[str, Any]] | None = None,
          tokenizer: str | None = None, extra: Mapping[str, Any] | None = None,
@@ -77,6 +87,11 @@ def save(path: str, params, config: ModelConfig, *, router=None,
     normalize_counts(config, c)
   if os.path.exists(path) and not overwrite:
     raise CheckpointError(f"{path} exists; pass overwrite=True to replace it")
+  if tokenizer and not os.path.isfile(tokenizer):
+    raise CheckpointError(f"tokenizer file {tokenizer!r} not found")
+  if os.path.exists(path) and not is_checkpoint(path):
+    raise CheckpointError(f"refusing to replace {path}: it is not a checkpoint of ours (no "
+                          f"{FORMAT!r} metadata.json); remove it yourself or pick another path")
   tmp = f"{path}.tmp-{os.getpid()}-{time.time_ns()}"
   os.makedirs(tmp)
   try:
@@ -84,11 +99,14 @@ def save(path: str, params, config: ModelConfig, *, router=None,
     args = jax.tree_util.tree_map(
         lambda x: ocp.SaveArgs(chunk_byte_size=chunk_byte_size or _auto_chunk_bytes(x)), state)
     _checkpointer().save(os.path.join(tmp, "state"), state, save_args=args)
+    if tokenizer:   # inside the checkpoint: a moved run never picks up another's tokenizer
+      shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {"format": FORMAT, "config": config.to_dict(),
             "axes": {n: list(a.choices(config)) for n, a in AXES.items()},
             "budget_counts": {b: {k: list(v) if isinstance(v, (list, tuple)) else int(v)
                                   for k, v in c.items()} for b, c in budget_counts.items()},
-            "has_router": router is not None, "tokenizer": tokenizer, "extra": dict(extra or {}),
+            "has_router": router is not None, "tokenizer": TOKENIZER_FILE if tokenizer else None,
+            "extra": dict(extra or {}),
             "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()}}
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
       json.dump(meta, f, indent=1)
@@ -108,6 +126,29 @@ def save(path: str, params, config: ModelConfig, *, router=None,
 def _auto_chunk_bytes(x) -> int:
   nbytes = int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
   return int(min(max(nbytes // CHUNKS_PER_LEAF, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES))
+
+
+def tokenizer_file(path: str) -> str | None:
+  """The tokenizer of checkpoint `path`: the copy stored inside it; for checkpoints written
+  before tokenizers were stored, the file its metadata names, or one of that name beside it."""
+  ref = load_metadata(path).get("tokenizer")
+  if not ref:
+    return None
+  cands = [os.path.join(path, ref)] if not os.path.isabs(ref) else []
+  cands += [ref, os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(ref))]
+  for cand in cands:
+    if os.path.isfile(cand):
+      return cand
+  raise CheckpointError(f"{path}: tokenizer file {ref!r} not found")
+
+
+def is_checkpoint(path: str) -> bool:
+  """Whether `path` is a directory `save` wrote (its metadata.json names our format)."""
+  try:
+    with open(os.path.join(path, "metadata.json")) as f:
+      return str(json.load(f).get("format", "")).startswith("elastic-jax")
+  except (OSError, ValueError, AttributeError):
+    return False
 
 
 def load_metadata(path: str) -> dict:

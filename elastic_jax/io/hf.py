@@ -272,6 +272,9 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig,
       if tuple(arr.shape) != tuple(sd.shape):
         raise HFFormatError(f"{name}: shape {tuple(arr.shape)}, config expects "
                             f"{tuple(sd.shape)}")
+      if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+        raise HFFormatError(f"{name}: stored as {arr.dtype.name}, a float parameter needs a "
+                            "floating dtype (F32 / BF16 / F16); the file's header is wrong")
       out.append(place(name, np.ascontiguousarray(arr.astype(sd.dtype, copy=False))))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -343,11 +346,17 @@ def load_pretrained(folder: str, place=None, **overrides) -> tuple[ModelConfig, 
 
 
 def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False) -> None:
-  """Writes config.json + model.safetensors (hub layout) that transformers can load."""
+  """Writes config.json + model.safetensors (hub layout) that transformers can load. With
+  `overwrite`, the weight files of the model there before (any `*.safetensors` and its index,
+  e.g. a sharded export) are removed first, so loading never mixes in old tensors; other files
+  (tokenizer, ...) stay."""
   cfg = config_to_hf(c)
   if os.path.exists(os.path.join(folder, "config.json")) and not overwrite:
     raise HFFormatError(f"{folder} already holds a model; pass overwrite=True to replace it")
   os.makedirs(folder, exist_ok=True)
+  for name in os.listdir(folder):
+    if name.endswith((".safetensors", ".safetensors.index.json")):
+      os.remove(os.path.join(folder, name))
   tensors = params_to_hf(params, c)
   dtype = np.dtype(c.param_dtype) if c.param_dtype != "bfloat16" else None
   if dtype is None:
@@ -355,7 +364,9 @@ def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False
     dtype = np.dtype(ml_dtypes.bfloat16)
   # Router stays fp32, as transformers keeps it.
   tensors = {k: v.astype(np.float32 if ".gate." in k else dtype) for k, v in tensors.items()}
-  st.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+  tmp = os.path.join(folder, "model.safetensors.tmp")
+  st.save_file(tensors, tmp, metadata={"format": "pt"})
+  os.replace(tmp, os.path.join(folder, "model.safetensors"))
   tmp = os.path.join(folder, "config.json.tmp")
   # transformers' JSON encoding of non-finite floats.
   cfg["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity"}

@@ -110,24 +110,36 @@ def default_corpus(n_text: int = 4000, n_reasoning: int = 2000, seed: int = 0,
 
 
 def local_corpus(paths: Iterable[str]) -> list[str]:
-  """Documents from local .txt / .jsonl files; clear errors for anything else."""
+  """Documents from local UTF-8 .txt (one per non-blank line) / .jsonl ({"text": str} per
+  line) files; errors name the file and line (binary or UTF-16 files, a missing, null or
+  non-string "text")."""
   docs = []
   for path in paths:
     if not os.path.isfile(path):
       raise ValueError(f"data file {path!r} does not exist")
+    if not path.endswith((".jsonl", ".txt")):
+      raise ValueError(f"data file {path!r}: expected .txt or .jsonl")
     with open(path, encoding="utf-8") as f:
-      if path.endswith(".jsonl"):
+      i = 0
+      try:
         for i, line in enumerate(f, 1):
+          if "\x00" in line:
+            raise ValueError(f"{path}:{i}: NUL bytes, not UTF-8 text (binary or UTF-16?)")
           if not line.strip():
             continue
+          if path.endswith(".txt"):
+            docs.append(line.strip())
+            continue
           try:
-            docs.append(str(json.loads(line)["text"]))
+            text = json.loads(line)["text"]
           except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{path}:{i}: expected a JSON object with a 'text' field") from None
-      elif path.endswith(".txt"):
-        docs.extend(line.strip() for line in f if line.strip())
-      else:
-        raise ValueError(f"data file {path!r}: expected .txt or .jsonl")
+          if not isinstance(text, str):
+            raise ValueError(f"{path}:{i}: 'text' must be a string, got {text!r}")
+          docs.append(text)
+      except UnicodeDecodeError as e:
+        raise ValueError(f"data file {path!r}: not UTF-8 text near line {i + 1} ({e.reason}); "
+                         "save it as UTF-8") from None
   if not docs:
     raise ValueError(f"no documents in {list(paths)}")
   return docs

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import shutil
 from typing import Sequence
 
 import jax
 
 from elastic_jax import rng
-from elastic_jax.io import checkpoint
+from elastic_jax.io import checkpoint, lock
 from elastic_jax.training import data, optim, phases
-from elastic_jax.elastic import measures
+from elastic_jax.elastic import deploy, measures
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import CHOICE_FIELDS, ModelConfig
 from elastic_jax.elastic.importance import compute_importance
@@ -27,14 +29,47 @@ from elastic_jax.parallel import sharding as shd
 from elastic_jax.elastic.nesting import nest
 
 
+# Run-config fields with a range: (field, type, low, high, low inclusive). `int` fields must be
+# ints; `float` fields any real number.
+_RANGES = (
+    ("seed", int, 0, None, True), ("log_every", int, 1, None, True),
+    ("checkpoint.keep", int, 1, None, True), ("checkpoint.save_every", int, 1, None, True),
+    ("data.n_text", int, 0, None, True), ("data.n_reasoning", int, 0, None, True),
+    ("data.seq_len", int, 2, None, True), ("data.batch", int, 1, None, True),
+    ("pretrain.steps", int, 0, None, True), ("pretrain.lr", float, 0, None, False),
+    ("pretrain.warmup", int, 0, None, True), ("pretrain.weight_decay", float, 0, None, True),
+    ("elastic.stage1_steps", int, 0, None, True), ("elastic.stage2_steps", int, 0, None, True),
+    ("elastic.stage2_len_mult", int, 1, None, True), ("elastic.lr", float, 0, None, False),
+    ("elastic.router_lr", float, 0, None, False), ("elastic.warmup", int, 0, None, True),
+    ("elastic.weight_decay", float, 0, None, True), ("elastic.budget_weight", float, 0, None, True),
+    ("elastic.hard_prob", float, 0, 1, True), ("elastic.calib_batches", int, 1, None, True),
+    ("router.hidden", int, 1, None, True), ("router.scale_end", float, 0, None, False),
+    ("router.tau_min", float, 0, 1, False), ("router.tau_anneal_frac", float, 0, 1, False),
+    ("router.band", float, 0, 1, True), ("router.anchor_weight", float, 0, None, True),
+    ("eval.n_reasoning", int, 0, None, True), ("eval.max_think_tokens", int, 1, None, True),
+    ("eval.max_answer_tokens", int, 1, None, True),
+)
+
+
+def _check_range(c, field: str, kind, lo, hi, lo_incl: bool) -> None:
+  value = c
+  for part in field.split("."):
+    value = value[part]
+  ok_type = (isinstance(value, int) if kind is int else isinstance(value, (int, float)))
+  ok = ok_type and not isinstance(value, bool) and (value >= lo if lo_incl else value > lo) and (
+      hi is None or value <= hi)
+  if not ok:
+    bound = f"{'>=' if lo_incl else '>'} {lo}" + ("" if hi is None else f" and <= {hi}")
+    raise ValueError(f"{field} must be {'an int' if kind is int else 'a number'} {bound}, "
+                     f"got {value!r}")
+
+
 def check_run_config(c) -> None:
   """ValueError naming the first run-config field whose value would misbehave (e.g.
-  `checkpoint.keep=0` would delete each checkpoint as soon as it is committed)."""
-  for field, value in (("checkpoint.keep", c.checkpoint.keep),
-                       ("checkpoint.save_every", c.checkpoint.save_every),
-                       ("log_every", c.log_every)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+  `checkpoint.keep=0` would delete each checkpoint as soon as it is committed), before any
+  work is done."""
+  for rule in _RANGES:
+    _check_range(c, *rule)
   optim.check_master(c.optim.master)
   phases.check_chunk("pretrain.lm_chunk", c.pretrain.lm_chunk)
   phases.check_chunk("elastic.kd_chunk", c.elastic.kd_chunk)
@@ -47,17 +82,79 @@ def check_run_config(c) -> None:
                      f"({c.data.batch}), got {M!r}")
 
 
+# Config sections that change what a run computes: a rerun on the same workdir must match them
+# (logging, checkpointing, evaluation and the mesh may change between attempts).
+RESULT_SECTIONS = ("seed", "model", "data", "pretrain", "elastic", "router", "optim")
+RUN_RECORD = "run_config.json"
+# What `restart` removes from a workdir: the run's own outputs, nothing else.
+RUN_OUTPUTS = ("checkpoints", "parent", "nested", "tb", "metrics.jsonl", "tokenizer.json",
+               RUN_RECORD)
+
+
+def _flat(d, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
 @dataclasses.dataclass
 class Run:
-  """One run directory and its ml_collections config (see configs/training.py)."""
+  """One run directory and its ml_collections config (see configs/training.py). `inputs`: what
+  else decides the result (e.g. the data files, the HF parent); a rerun must match them and the
+  config's RESULT_SECTIONS, or pass `restart` to clear the workdir's outputs and start over."""
   config: object          # ml_collections.ConfigDict
   workdir: str
+  inputs: dict = dataclasses.field(default_factory=dict)
+  restart: bool = False
 
   def __post_init__(self):
     check_run_config(self.config)   # refused before anything is written
     self.workdir = os.path.abspath(self.workdir)
     os.makedirs(self.workdir, exist_ok=True)
+    # One job per workdir (process 0 holds the lock for a multi-process job).
+    self._lock = lock.lock_workdir(self.workdir) if jax.process_index() == 0 else None
+    if self._lock is not None:
+      for name in checkpoint.leftover_tmp_dirs(self.workdir):
+        shutil.rmtree(os.path.join(self.workdir, name))
+        print(f"removed {name}: a save that a killed run left unfinished", flush=True)
+      self._check_rerun()
     self.writer = MetricsWriter(self.workdir)
+
+  def _check_rerun(self) -> None:
+    """Records the settings in RUN_RECORD on the first attempt; refuses a rerun whose settings
+    differ, naming the fields (`restart` removes RUN_OUTPUTS first)."""
+    c = self.config.to_dict()
+    inputs = {k: v for k, v in self.inputs.items() if v}   # an unset input is no input
+    record = json.loads(json.dumps({"config": {k: c[k] for k in RESULT_SECTIONS},
+                                    "inputs": inputs}))
+    path = os.path.join(self.workdir, RUN_RECORD)
+    if self.restart:
+      for name in RUN_OUTPUTS:
+        target = os.path.join(self.workdir, name)
+        if os.path.isdir(target):
+          shutil.rmtree(target)
+        elif os.path.exists(target):
+          os.remove(target)
+    if os.path.exists(path):
+      with open(path) as f:
+        old = _flat(json.load(f))
+      new = _flat(record)
+      changed = sorted(k for k in set(old) | set(new)
+                       if old.get(k, "<unset>") != new.get(k, "<unset>"))
+      if changed:
+        raise ValueError(f"{self.workdir} holds a run with other settings ({', '.join(changed[:6])}"
+                         f"{', ...' if len(changed) > 6 else ''}); rerun with the same settings "
+                         "to resume, pass --restart to start this workdir over, or use another "
+                         "--workdir")
+      return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(record, f, indent=1)
+    os.replace(tmp, path)
 
   @property
   def tokenizer_path(self) -> str:
@@ -94,13 +191,16 @@ class Run:
 
 def model_config(run: Run, hf_dir: str | None = None):
   """(ModelConfig, HF params or None): the config's model, or the shapes of a local HF parent
-  with the config's elastic choices and budgets."""
+  with the config's elastic choices and budgets. Refuses a budget no architecture among the
+  choices can satisfy (`deploy.check_feasible`) before any work."""
   cfg = ModelConfig.from_dict(run.config.model.to_dict())
   if not hf_dir:
+    deploy.check_feasible(cfg, router_config(run.config, 1))
     return cfg, None
   from elastic_jax.io import hf
   elastic = {f: getattr(cfg, f) for f, _ in CHOICE_FIELDS.values()}
   cfg = hf.load_config(hf_dir, budgets=cfg.budgets, **elastic)
+  deploy.check_feasible(cfg, router_config(run.config, 1))
   place = None
   if run.mesh is not None:   # each tensor goes to its shard as it is read
     place = shd.place_by_path(shd.param_shardings(param_shapes(cfg), cfg, run.mesh, run.rules))
@@ -199,7 +299,16 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
       run.loop("elastic"), lr=e.lr, router_lr=e.router_lr, warmup=e.warmup,
       budget_weight=e.budget_weight, hard_prob=e.hard_prob, seed=c.seed, moe_impl=e.moe_impl,
       kd_chunk=e.kd_chunk, weight_decay=e.weight_decay)
-  counts = {n: router_lib.chosen_counts(router, cfg, rc, n) for n in cfg.budget_names}
+  counts = {}
+  for n in cfg.budget_names:
+    # Deployed: the router's best architecture inside every band of the budget's targets.
+    counts[n] = deploy.deployed_counts(router, cfg, rc, n)
+    argmax = router_lib.chosen_counts(router, cfg, rc, n)
+    if argmax != counts[n]:
+      off = lambda c: ", ".join(f"{m} {e:+.1%}" for m, e in deploy.errors(cfg, rc, c, n).items())
+      print(f"budget {n}: the router's argmax {argmax} is off its targets by {off(argmax)} "
+            f"(band {rc.band:.0%}); deploying its best choice in band, {counts[n]} "
+            f"({off(counts[n])})", flush=True)
   checkpoint.save(os.path.join(run.workdir, "nested"), params, cfg, router=router,
                   budget_counts=counts, tokenizer=run.tokenizer_path,
                   extra={"router_config": dataclasses.asdict(rc)}, overwrite=True)

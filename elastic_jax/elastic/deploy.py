@@ -1,0 +1,127 @@
+"""The architecture each budget deploys: the router's highest-scoring choice inside every one
+of the budget's target bands (METHOD.md section 6), not its unconstrained argmax.
+
+Exact enumeration: every combination of the per-axis choices (one choice per router row; a
+per-layer axis has one row per layer) is sized with the budget measures, vectorised over the
+combinations (`jax.vmap` of the differentiable counter), and scored by the sum of the router's
+log-probabilities of its choices. Combinations outside any band are discarded; the best of
+the rest is deployed. With no combination in band, the budget is infeasible for this config's
+choices, whatever the router learns: `check_feasible` refuses it before training, naming the
+targets and the closest achievable sizes. Enumeration is capped at `MAX_COMBINATIONS` (a
+per-layer router over many layers needs a search this module does not have yet).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.elastic import measures
+from elastic_jax.elastic import router as router_lib
+from elastic_jax.elastic.axes import AXES
+
+MAX_COMBINATIONS = 200_000
+
+
+def _rows(config: ModelConfig, rc: router_lib.RouterConfig) -> list[tuple[str, int]]:
+  """(axis, row) of every router row: one per axis, one per layer for per-layer axes."""
+  return [(name, r) for name in AXES for r in range(router_lib._rows(config, rc, name))]
+
+
+def combinations(config: ModelConfig, rc: router_lib.RouterConfig) -> np.ndarray:
+  """[n, rows] choice indices of every architecture the router can express."""
+  sizes = [len(AXES[name].choices(config)) for name, _ in _rows(config, rc)]
+  n = int(np.prod(sizes))
+  if n > MAX_COMBINATIONS:
+    raise ValueError(f"{n:,} architectures to enumerate (> {MAX_COMBINATIONS:,}); a per-layer "
+                     f"router over {config.num_layers} layers needs a search, not enumeration")
+  return np.asarray(list(itertools.product(*(range(s) for s in sizes))), np.int32)
+
+
+def _counts(config: ModelConfig, rc: router_lib.RouterConfig, idx) -> dict:
+  """Counts (traced floats) of one combination of choice indices."""
+  out, col = {}, 0
+  for name in AXES:
+    rows = router_lib._rows(config, rc, name)
+    ch = jnp.asarray(AXES[name].choices(config), jnp.float32)
+    vals = ch[idx[col:col + rows]]
+    col += rows
+    out[name] = vals[0] if rows == 1 else tuple(vals[i] for i in range(rows))
+  return out
+
+
+def relative_errors(config: ModelConfig, rc: router_lib.RouterConfig, combos: np.ndarray,
+                    targets: Mapping[str, float]) -> np.ndarray:
+  """[n, measures] |M(combination) / (f M_full) - 1| for each target measure."""
+  full = {m: float(measures.measure(config, None, m, rc.cost)) for m in targets}
+
+  def one(idx):
+    counts = _counts(config, rc, idx)
+    return jnp.stack([measures.measure(config, counts, m, rc.cost, validate=False)
+                      / (f * full[m]) - 1.0 for m, f in targets.items()])
+
+  return np.abs(np.asarray(jax.jit(jax.vmap(one))(jnp.asarray(combos)), np.float64))
+
+
+def _to_counts(config: ModelConfig, rc: router_lib.RouterConfig, idx) -> dict:
+  out, col = {}, 0
+  for name in AXES:
+    rows = router_lib._rows(config, rc, name)
+    ch = AXES[name].choices(config)
+    vals = tuple(ch[int(i)] for i in idx[col:col + rows])
+    col += rows
+    out[name] = vals if rows > 1 else vals[0]
+  return out
+
+
+def _infeasible(budget: str, targets, errs: np.ndarray, config, rc, combos) -> ValueError:
+  best = int(np.argmin(errs.max(1)))
+  got = ", ".join(f"{m} off by {e:.1%}" for m, e in zip(targets, errs[best]))
+  return ValueError(
+      f"budget {budget!r} (targets {dict(targets)}) has no architecture within the "
+      f"{rc.band:.0%} band of every target among the config's choices; the closest, "
+      f"{_to_counts(config, rc, combos[best])}, is {got}")
+
+
+def errors(config: ModelConfig, rc: router_lib.RouterConfig, counts: Mapping,
+           budget: str) -> dict[str, float]:
+  """{measure: M(counts) / (f M_full) - 1} for each target of `budget` (signed)."""
+  out = {}
+  for m, f in config.budget_targets(budget).items():
+    full = float(measures.measure(config, None, m, rc.cost))
+    out[m] = float(measures.measure(config, counts, m, rc.cost)) / (f * full) - 1.0
+  return out
+
+
+def check_feasible(config: ModelConfig, rc: router_lib.RouterConfig) -> None:
+  """ValueError naming the first budget no architecture can satisfy (before any training)."""
+  combos = combinations(config, rc)
+  for name in config.budget_names:
+    targets = config.budget_targets(name)
+    errs = relative_errors(config, rc, combos, targets)
+    if not np.any(np.all(errs <= rc.band + 1e-9, axis=1)):
+      raise _infeasible(name, targets, errs, config, rc, combos)
+
+
+def deployed_counts(router_params: dict, config: ModelConfig, rc: router_lib.RouterConfig,
+                    budget: str) -> dict:
+  """Counts of the router's highest-scoring architecture inside every target band of `budget`
+  (the full budget, every target 1: the parent itself)."""
+  targets = config.budget_targets(budget)
+  if all(f >= 1.0 for f in targets.values()):
+    return {name: AXES[name].full(config) for name in AXES}
+  combos = combinations(config, rc)
+  errs = relative_errors(config, rc, combos, targets)
+  ok = np.all(errs <= rc.band + 1e-9, axis=1)
+  if not ok.any():
+    raise _infeasible(budget, targets, errs, config, rc, combos)
+  lg = router_lib.logits(router_params, router_lib.budget_onehot(config, budget), config, rc)
+  score = np.zeros(len(combos))
+  for j, (name, r) in enumerate(_rows(config, rc)):
+    score += np.asarray(jax.nn.log_softmax(lg[name], -1))[r][combos[:, j]]
+  score = np.where(ok, score, -np.inf)
+  return _to_counts(config, rc, combos[int(np.argmax(score))])
