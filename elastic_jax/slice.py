@@ -42,12 +42,20 @@ def parse_budget(text: str | None):
 
 def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False) -> str:
   from elastic_jax import count_params
+  from elastic_jax.elastic import deploy
   from elastic_jax.io import checkpoint, hf
 
   src, dst = os.path.realpath(checkpoint_dir), os.path.realpath(out)
   if src == dst or src.startswith(dst + os.sep):
     raise ValueError(f"--out {out} is or contains the source checkpoint {checkpoint_dir}; "
                      "write the slice elsewhere")
+  rc = deploy.stored_router_config(checkpoint.load_metadata(checkpoint_dir))
+  if isinstance(budget, str) and rc is not None:   # deployed counts must meet the targets
+    cfg = checkpoint.load_config(checkpoint_dir)
+    if budget in cfg.budget_names:
+      why = deploy.violation(cfg, rc, checkpoint.resolve_counts(checkpoint_dir, budget), budget)
+      if why:
+        raise ValueError(f"{checkpoint_dir}: {why}")
   t0 = time.perf_counter()
   before = checkpoint.bytes_read()
   params, cfg = checkpoint.restore(checkpoint_dir, budget)

@@ -130,6 +130,32 @@ def tiny_ckpt(cfg, params, tmp_path_factory):
                          budget_counts={"full": {}, "small": SMALL})
 
 
+def test_slice_and_generate_refuse_stored_counts_outside_their_band(tiny_ckpt, tmp_path):
+  """A trained family's checkpoint (router_config in its metadata) whose stored counts for a
+  budget miss its targets: `slice` and the generation family refuse that name and serve the
+  others; explicit counts still slice."""
+  import dataclasses
+  from elastic_jax import count_params
+  from elastic_jax.elastic import router as R
+  from elastic_jax.slice import run
+  params, c = checkpoint.restore(tiny_ckpt)
+  frac = count_params(c, SMALL).active / count_params(c).active
+  c = c.replace(budgets=(("full", 1.0), ("ok", frac), ("bad", frac * 0.8)))
+  path = checkpoint.save(str(tmp_path / "nested"), params, c,
+                         tokenizer=checkpoint.tokenizer_file(tiny_ckpt),
+                         budget_counts={"full": {}, "ok": SMALL, "bad": SMALL},
+                         extra={"router_config": dataclasses.asdict(R.RouterConfig())})
+  with pytest.raises(ValueError, match=r"budget 'bad': its stored counts .* are off its targets "
+                                       r"by active \+25.0% \(band 5%\)"):
+    run(path, "bad", str(tmp_path / "out"), "orbax")
+  run(path, "ok", str(tmp_path / "out"), "orbax")
+  run(path, SMALL, str(tmp_path / "out2"), "orbax")
+  fam = bc.load_family(path)
+  assert fam.get("ok").config.hidden_size == 24
+  with pytest.raises(ValueError, match="budget 'bad': its stored counts"):
+    fam.get("bad")
+
+
 def test_load_family(tiny_ckpt):
   fam = bc.load_family(tiny_ckpt, mode="sliced")
   assert fam.names == ["full", "small"] and fam.get("small").config.hidden_size == 24

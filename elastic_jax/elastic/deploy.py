@@ -97,6 +97,33 @@ def errors(config: ModelConfig, rc: router_lib.RouterConfig, counts: Mapping,
   return out
 
 
+def violation(config: ModelConfig, rc: router_lib.RouterConfig, counts: Mapping,
+              budget: str) -> str | None:
+  """Why stored `counts` do not satisfy `budget` (a target outside its band), or None."""
+  err = errors(config, rc, counts, budget)
+  if all(abs(e) <= rc.band + 1e-9 for e in err.values()):
+    return None
+  off = ", ".join(f"{m} {e:+.1%}" for m, e in err.items())
+  return (f"budget {budget!r}: its stored counts {dict(counts)} are off its targets by {off} "
+          f"(band {rc.band:.0%}); use explicit per-axis counts, or re-derive the budget's "
+          "counts (deploy.deployed_counts)")
+
+
+def stored_router_config(meta: Mapping) -> router_lib.RouterConfig | None:
+  """The band and cost model a nested checkpoint's budget counts were deployed under (its
+  metadata's router_config, which the training pipeline writes); None if it has none (counts
+  stored by hand, not by a router)."""
+  saved = (meta.get("extra") or {}).get("router_config")
+  if not isinstance(saved, Mapping):
+    return None
+  kw = {}
+  if "band" in saved:
+    kw["band"] = float(saved["band"])
+  if isinstance(saved.get("cost"), Mapping):
+    kw["cost"] = measures.CostModel(**saved["cost"])
+  return router_lib.RouterConfig(**kw)
+
+
 def check_feasible(config: ModelConfig, rc: router_lib.RouterConfig) -> None:
   """ValueError naming the first budget no architecture can satisfy (before any training)."""
   combos = combinations(config, rc)

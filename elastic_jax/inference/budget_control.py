@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from elastic_jax.elastic import deploy
 from elastic_jax.io import checkpoint
 from elastic_jax.inference import generate as gen
 from elastic_jax.config import ModelConfig
@@ -66,6 +67,7 @@ class Family:
   tokenizer: Any = None
   mode: str = "sliced"
   moe_impl: str = "dense"
+  invalid: Mapping[str, str] = dataclasses.field(default_factory=dict)  # budget -> why refused
   _slices: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def __post_init__(self):
@@ -81,6 +83,8 @@ class Family:
     """The slice at budget `budget` (built once, then shared: same name = same object)."""
     if budget not in self.names:
       raise ValueError(f"unknown budget {budget!r}; allowed: {self.names}")
+    if budget in self.invalid:
+      raise ValueError(self.invalid[budget])
     if budget not in self._slices:
       counts = self.budget_counts.get(budget)
       make = standalone if self.mode == "sliced" else parent_at_budget
@@ -105,7 +109,15 @@ def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense") -> Fam
   tok = load_tokenizer(_tokenizer_path(path))
   special_ids(tok)  # fail early if the tokenizer lacks <eos> or </think>
   params, cfg = checkpoint.restore(path)
-  return Family(params, cfg, meta.get("budget_counts", {}), tok, mode, moe_impl)
+  table = meta.get("budget_counts", {})
+  rc = deploy.stored_router_config(meta)
+  invalid = {}
+  for name, counts in table.items():
+    if rc is not None and name in cfg.budget_names:   # deployed counts must meet the targets
+      why = deploy.violation(cfg, rc, counts, name)
+      if why:
+        invalid[name] = f"{path}: {why}"
+  return Family(params, cfg, table, tok, mode, moe_impl, invalid)
 
 
 @dataclasses.dataclass
