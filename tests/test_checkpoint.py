@@ -69,6 +69,19 @@ def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
   assert (user / "chapter1.tex").read_text() == "precious"
 
 
+def test_corrupt_chunk_never_loads_silently(cfg, params, tmp_path):
+  """A stored chunk replaced by another valid one (decodes fine, wrong values): the full restore
+  names the leaf instead of returning the wrong weights."""
+  path = checkpoint.save(str(tmp_path / "c"), params, cfg, chunk_byte_size=1024)
+  checkpoint.restore(path)   # intact: fingerprints match
+  chunks = tmp_path / "c" / "state" / "params.embed"
+  a, b = sorted(f for f in os.listdir(chunks) if not f.startswith("."))[:2]
+  shutil.copyfile(chunks / b, chunks / a)
+  with pytest.raises(CheckpointError, match=r"leaf \['params'\]\['embed'\] does not match the "
+                                            r"fingerprint recorded when it was saved"):
+    checkpoint.restore(path)
+
+
 def test_tokenizer_travels_inside_the_checkpoint(cfg, params, ckpt, tmp_path):
   """A moved checkpoint uses its own tokenizer, not whatever its old path now holds."""
   moved = str(tmp_path / "moved")

@@ -76,8 +76,24 @@ def test_restore_mismatch_is_a_clear_error(tmp_path):
   writer = MetricsWriter(str(tmp_path))
   step_fn = lambda s, i: (s, {"loss": jnp.float32(0)}, 1)
   run_phase("p", step_fn, {"w": jnp.zeros(3)}, 2, ckpt_dir=str(tmp_path / "c"), writer=writer)
-  with pytest.raises(ValueError, match="cannot resume from step 2"):
+  with pytest.raises(ValueError, match="no usable checkpoint \\(step 2: "):
     run_phase("p", step_fn, {"w": jnp.zeros(4)}, 3, ckpt_dir=str(tmp_path / "c"), writer=writer)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+  """The newest checkpoint's state no longer matches the fingerprints recorded at its save:
+  the phase says so and resumes from the previous committed step, repeating the rest."""
+  import json
+  _counter_phase(tmp_path / "run", 7)                # saved at 6 and 7 (keep 2)
+  meta = tmp_path / "run" / "ckpt" / "7" / "data" / "metadata"
+  record = json.loads(meta.read_text())
+  record["_fingerprints"]["['sum']"][0] += 1        # what a flipped stored byte looks like
+  meta.write_text(json.dumps(record))
+  state, seen = _counter_phase(tmp_path / "run", 9)
+  out = capsys.readouterr().out
+  assert "cannot resume from step 7: ['sum'] does not match its saved fingerprint" in out
+  assert "falling back to step 6" in out
+  assert int(state["n"]) == 9 and len(seen) == 3     # steps 7, 8, 9 run again from step 6
 
 
 def test_metrics_writer_forget(tmp_path):

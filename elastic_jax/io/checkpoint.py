@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.axes import AXES, normalize_counts
 from elastic_jax.elastic.slicing import sliced_config
+from elastic_jax.io import fingerprint
 from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
 
@@ -99,6 +100,7 @@ def save(path: str, params, config: ModelConfig, *, router=None,
     args = jax.tree_util.tree_map(
         lambda x: ocp.SaveArgs(chunk_byte_size=chunk_byte_size or _auto_chunk_bytes(x)), state)
     _checkpointer().save(os.path.join(tmp, "state"), state, save_args=args)
+    sums = fingerprint.fingerprints(state)
     if tokenizer:   # inside the checkpoint: a moved run never picks up another's tokenizer
       shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {"format": FORMAT, "config": config.to_dict(),
@@ -107,7 +109,8 @@ def save(path: str, params, config: ModelConfig, *, router=None,
                                   for k, v in c.items()} for b, c in budget_counts.items()},
             "has_router": router is not None, "tokenizer": TOKENIZER_FILE if tokenizer else None,
             "extra": dict(extra or {}),
-            "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()}}
+            "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()},
+            "fingerprints": sums}
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
       json.dump(meta, f, indent=1)
     old = None
@@ -235,6 +238,12 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
                           partial_restore=True)  # the router, if any, is restored separately
   except Exception as e:
     raise CheckpointError(f"{path}: restore failed ({type(e).__name__}: {e})") from None
+  if counts is None and meta.get("fingerprints"):   # a full read can be checked whole
+    bad = fingerprint.mismatches({"params": state["params"]}, meta["fingerprints"])
+    if bad:
+      more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+      raise CheckpointError(f"{path}: leaf {bad[0]}{more} does not match the fingerprint "
+                            f"recorded when it was saved: corrupt files under {state_dir}")
   params = layouts.from_legacy(state["params"]) if legacy else state["params"]
   _check_params(params, small, "restore")
   return params, small

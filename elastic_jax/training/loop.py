@@ -19,8 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from elastic_jax.io import fingerprint
 from elastic_jax.parallel import distributed
 from elastic_jax.training.metrics import MetricsWriter
+
+
+# Key of the data item that holds the state's fingerprints (`io.fingerprint`), beside the
+# iterator states.
+FINGERPRINTS = "_fingerprints"
 
 
 def check_finite(value: float, what: str, step: int) -> float:
@@ -49,18 +55,35 @@ def manager(directory: str, keep: int = 2) -> ocp.CheckpointManager:
 
 
 def restore_latest(mngr: ocp.CheckpointManager, state, iterators: Mapping[str, Any]):
-  """(step, state) from the newest complete checkpoint (iterators set in place); (0, state)
-  if there is none. The saved tree must match `state`'s structure, shapes and dtypes."""
-  step = mngr.latest_step()
-  if step is None:
+  """(step, state) from the newest complete checkpoint whose contents match the fingerprints
+  recorded when it was saved (iterators set in place); an older one, saying so, when the newest
+  is unreadable or corrupt; (0, state) if there is none. The saved tree must match `state`'s
+  structure, shapes and dtypes."""
+  steps = sorted(mngr.all_steps(), reverse=True)
+  if not steps:
     return 0, state
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
-  try:
-    got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                     data=ocp.args.JsonRestore()))
-  except Exception as e:  # orbax raises many types for damaged or mismatched directories
-    raise ValueError(f"{mngr.directory}: cannot resume from step {step} ({type(e).__name__}: "
-                     f"{e}); delete the directory to start this phase over") from None
+  problems = []
+  for step in steps:
+    try:
+      got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                       data=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises many types for damaged or mismatched directories
+      problems.append(f"step {step}: {type(e).__name__}: {e}")
+    else:
+      recorded = got.data.get(FINGERPRINTS)
+      if isinstance(recorded, list):   # multi-process saves: one (equal) copy per process
+        recorded = recorded[0]
+      bad = fingerprint.mismatches(got.state, recorded) if recorded else []
+      if not bad:
+        break
+      problems.append(f"step {step}: {bad[0]} does not match its saved fingerprint (corrupt)")
+    print(f"{mngr.directory}: cannot resume from {problems[-1]}", flush=True)
+  else:
+    raise ValueError(f"{mngr.directory}: no usable checkpoint ({'; '.join(problems)}); delete "
+                     "the directory to start this phase over")
+  if problems:
+    print(f"{mngr.directory}: falling back to step {step}", flush=True)
   missing = sorted(set(iterators) - set(got.data))
   if missing:
     raise ValueError(f"{mngr.directory}: step {step} has no state for data iterators {missing}")
@@ -137,6 +160,7 @@ def run_phase(phase: str, step_fn: Callable, state, total_steps: int, *, ckpt_di
           _committed(phase, pending)
         check_finite(metrics[loss_key], f"{phase} {loss_key}", step)
         data_state = {name: it.get_state() for name, it in iterators.items()}
+        data_state[FINGERPRINTS] = fingerprint.fingerprints(state)
         if jax.process_count() > 1:
           data_state = {k: distributed.allgather_json(v) for k, v in data_state.items()}
         # Async: written in the background, visible to a restart only once committed.
