@@ -51,6 +51,7 @@ def get_config():
   cfg.elastic.update(stage1_steps=20_000, stage2_steps=5_000, stage2_len_mult=6, lr=1e-4,
                      warmup=100, calib_batches=16,  # 1024 x 8192-token calibration
                      kd_chunk=1024,                 # no [B, 49K, 131K] logits at stage 2
+                     expert_placement="balanced",   # 64-112 of 128 experts busy every shard
                      # 64 rows fill an fsdp:64 mesh one row per device: one budget per step.
                      # M micro-batches want data.batch = 64 * M.
                      micro_batches=1)

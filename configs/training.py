@@ -37,6 +37,10 @@ def defaults() -> ml_collections.ConfigDict:
           # and simple at tiny sizes), "ragged" (grouped matmul of the routed tokens), "gather",
           # "ep" (experts split over the mesh's expert axis, ragged on each shard).
           "moe_impl": "dense",
+          # Routed experts' order while distilling: "contiguous", or "balanced" (every budget's
+          # expert prefix spread evenly over the expert-parallel shards; function unchanged,
+          # checkpoints of the phase hold that order, the nested checkpoint the logical one).
+          "expert_placement": "contiguous",
           # > 0: the KD loss runs this many tokens at a time from hidden states, never holding
           # [batch, seq, vocab] logits (long contexts, large vocabularies); 0: one shot.
           "kd_chunk": 0,
@@ -47,6 +51,9 @@ def defaults() -> ml_collections.ConfigDict:
           # Temperature reaches tau_min at this fraction of the elastic steps (tau = decay^step).
           "tau_anneal_frac": 0.8,
           "band": 0.05, "anchor_weight": 10.0,
+          # Weight of -log P(router's architecture inside every band): keeps its own argmax in
+          # band while training (0: only the budget loss; deployment still picks in band).
+          "band_weight": 1.0,
           # The serving point of "memory" and "latency" budget targets (elastic/measures.py).
           "cost": {"weight_format": "bfloat16", "batch": 1, "prompt_len": 1024,
                    "decode_len": 1024},

@@ -14,6 +14,7 @@ LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("blocked", "dot_product")
+EXPERT_PLACEMENTS = ("contiguous", "balanced")
 # Elastic axis name -> (field listing its choices, field holding its full size).
 CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
                  "mamba_heads": ("mamba_head_choices", "mamba_num_heads"),
@@ -99,6 +100,11 @@ class ModelConfig:
   # or "dot_product" (`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs that
   # support it, else XLA's one-shot [T, T] scores). Decoding over a cache is the same for both.
   attention_impl: str = "blocked"
+  # Order of the routed experts in the params' expert axis: "contiguous" (logical order, what
+  # checkpoints, slicing and export hold) or "balanced" (`model.expert_placement`: every
+  # budget's expert prefix spread evenly over the shards of an expert-parallel mesh; training
+  # permutes into it and back, the model permutes the expert masks to match).
+  expert_placement: str = "contiguous"
   # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -250,6 +256,8 @@ class ModelConfig:
       err("remat", f"{self.remat!r} not in {REMAT}")
     if self.attention_impl not in ATTENTION_IMPLS:
       err("attention_impl", f"{self.attention_impl!r} not in {ATTENTION_IMPLS}")
+    if self.expert_placement not in EXPERT_PLACEMENTS:
+      err("expert_placement", f"{self.expert_placement!r} not in {EXPERT_PLACEMENTS}")
     if not isinstance(self.scan_layers, bool):
       err("scan_layers", f"must be a bool, got {self.scan_layers!r}")
     self._validate_choices(err)

@@ -50,7 +50,9 @@ def plan_elastic_step(run_config, mesh, seq_len: int, batch: int, donate: bool =
   from elastic_jax.training import optim, phases, pipeline
 
   c = run_config
-  cfg = ModelConfig.from_dict(c.model.to_dict())
+  # The step the elastic phase compiles: experts in its placement (masks permuted to match).
+  cfg = ModelConfig.from_dict(c.model.to_dict()).replace(
+      expert_placement=c.elastic.expert_placement)
   rules = tuple(map(tuple, c.parallel.rules))
   total = c.elastic.stage1_steps + c.elastic.stage2_steps
   rc = pipeline.router_config(c, total)

@@ -4,6 +4,7 @@
 # on 2 cores. Usage: experiments/seeds_in_band.sh [workdir root] (default runs/seeds).
 set -euo pipefail
 root=${1:-runs/seeds}
+mkdir -p "$root"
 for seed in 0 1 2; do
   for devices in 1 8; do
     dir="$root/seed$seed-dev$devices"
@@ -15,7 +16,7 @@ for seed in 0 1 2; do
           || { tail "$dir.log"; exit 1; }
     fi
     echo "== seed $seed, $devices host device(s)"
-    grep -E "^budget .* argmax" "$dir.log" || true
+    grep -E "^budget .* argmax" "$dir.log"
     grep -E "^\| (full|medium|small) " "$dir.log"
   done
 done

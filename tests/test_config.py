@@ -36,6 +36,7 @@ def test_hashable_for_jit():
     ({"mamba_n_groups": 3, "mamba_head_choices": ()}, "mamba_n_groups: 3 must divide"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ({"compute_dtype": "int8"}, "compute_dtype"),
+    ({"expert_placement": "strided"}, "expert_placement: 'strided' not in"),
     ({"time_step_limit": (0.1, 0.01)}, "time_step_limit"),
     ({"hidden_choices": (24, 16)}, "hidden_choices: first choice must be the full size 32"),
     ({"hidden_choices": (32, 16, 24)}, "hidden_choices: choices must be positive, unique"),

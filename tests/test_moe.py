@@ -67,13 +67,18 @@ def test_bad_impl(cfg, params):
     moe_lib.moe(_moe_params(params, cfg), jnp.zeros((1, 2, cfg.hidden_size)), cfg, impl="sparse")
 
 
-@pytest.mark.parametrize("mesh_spec, batch_axes", [
-    ("fsdp:2,tensor:2,expert:2", ("data", "fsdp")),      # tokens repeated on each expert shard
-    ("data:2,expert:4", ("data", "expert")),             # tokens split over experts too
+@pytest.mark.parametrize("mesh_spec, batch_axes, placement", [
+    # tokens repeated on each expert shard
+    ("fsdp:2,tensor:2,expert:2", ("data", "fsdp"), "contiguous"),
+    # tokens split over experts too; experts in the balanced order
+    ("data:2,expert:4", ("data", "expert"), "balanced"),
 ])
-def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes):
+def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes, placement):
   """impl "ep" on 8 host devices (experts split over `expert`, weights FSDP / tensor sharded):
-  values and gradients equal the single-device dense MoE (fp32), experts and width masked."""
+  values and gradients equal the single-device dense MoE (fp32), experts and width masked,
+  with the experts placed contiguously or balanced (masks in logical order either way)."""
+  from elastic_jax.model import expert_placement
+  from elastic_jax.model import model as M
   from elastic_jax.parallel import mesh as mesh_lib
   from elastic_jax.parallel import sharding as shd
   from elastic_jax.parallel.rules import DEFAULT_RULES
@@ -86,11 +91,13 @@ def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes):
 
   def loss(impl):
     def f(p, x):
-      out = moe_lib.moe(p, x, cfg, em, fm, impl=impl)[0]
+      out = moe_lib.moe(p, x, pcfg if impl == "ep" else cfg, em, fm, impl=impl)[0]
       return jnp.sum(out * jnp.cos(out)), out
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
   (want_l, want), want_g = loss("dense")(p, x)
+  placed, pcfg = M.place_experts(params, cfg, placement)
+  p = _moe_params(placed, pcfg)
   specs = {"router": P(), "router_bias": P(), "up": P("expert", "fsdp", "tensor"),
            "down": P("expert", "tensor", "fsdp"), "shared_up": P("fsdp", "tensor"),
            "shared_down": P("tensor", "fsdp")}
@@ -102,9 +109,78 @@ def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes):
     (got_l, got), got_g = loss("ep")(sp, sx)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
-  # Within 1e-5 of each gradient's own scale (fp32 sums in another order).
-  for g, w in zip(jax.tree.leaves(jax.device_get(got_g)), jax.tree.leaves(want_g)):
+  # Within 1e-5 of each gradient's own scale (fp32 sums in another order), experts back in
+  # logical order.
+  inv = np.argsort(expert_placement.order(cfg.n_routed_experts, placement))
+  got_g = jax.device_get(got_g)
+  got_g[0].update(router=got_g[0]["router"][:, inv], router_bias=got_g[0]["router_bias"][inv],
+                  up=got_g[0]["up"][inv], down=got_g[0]["down"][inv])
+  for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
   # Outside a mesh with an expert axis, "ep" is the single-device ragged path.
-  np.testing.assert_allclose(moe_lib.moe(p, x, cfg, em, fm, impl="ep")[0], want, rtol=1e-5,
+  np.testing.assert_allclose(moe_lib.moe(p, x, pcfg, em, fm, impl="ep")[0], want, rtol=1e-5,
                              atol=1e-5)
+
+
+def test_balanced_placement_is_the_same_model(cfg, params, tokens):
+  """Experts moved into the balanced order (`model.place_experts`) give the same logits under
+  soft expert masks (given in logical order) and the same calibration statistics, in both
+  layouts; moving back restores the params exactly."""
+  from elastic_jax.elastic import router as R
+  from elastic_jax.elastic.axes import AXES
+  from elastic_jax.model import model as M
+  pi = {n: jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(i), (1, len(a.choices(cfg)))))
+        for i, (n, a) in enumerate(AXES.items())}
+  masks = R.masks_from_probs(pi, cfg, "soft")
+  want, want_stats = M.apply(params, tokens, masks, config=cfg, collect=True)
+  for stack in ("loop", "scan"):
+    laid = M.to_stack_layout(params, cfg, stack)
+    placed, pcfg = M.place_experts(laid, cfg, "balanced")
+    assert pcfg.expert_placement == "balanced"
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(placed),
+                                                      jax.tree.leaves(laid))]
+    assert sum(moved) >= 4, "router, its bias, up and down must move"
+    got = M.apply(placed, tokens, masks, config=pcfg, stack=stack)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    back, bcfg = M.place_experts(placed, pcfg, "contiguous")
+    chex.assert_trees_all_equal(back, laid)
+    assert bcfg == cfg
+  _, got_stats = M.apply(M.place_experts(params, cfg, "balanced")[0], tokens, masks,
+                         config=cfg.replace(expert_placement="balanced"), collect=True)
+  for w, g in zip(jax.tree.leaves(want_stats), jax.tree.leaves(got_stats)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_balanced_order_spreads_every_prefix():
+  """Every prefix of k experts puts floor(k/S) or ceil(k/S) on each of S shards, for every S
+  the order serves; contiguous placement does not."""
+  from elastic_jax.model import expert_placement as ep
+  for E in (8, 12, 128):
+    order = ep.balanced_order(E)
+    assert sorted(order) == list(range(E))
+    for S in ep.balanced_shard_counts(E)[1:]:
+      for k in range(1, E + 1):
+        loads = ep.shard_loads(np.arange(E) < k, S, "balanced")
+        assert loads.max() - loads.min() <= 1, (E, S, k, loads)
+  assert ep.balanced_shard_counts(128) == [2 ** i for i in range(8)]
+  assert ep.balanced_shard_counts(12) == [1, 2, 4, 12]
+  np.testing.assert_array_equal(ep.shard_loads(np.arange(128) < 64, 8, "contiguous"),
+                                [16] * 4 + [0] * 4)
+  with pytest.raises(ValueError, match="do not divide"):
+    ep.shard_loads(np.ones(12), 8, "balanced")
+
+
+def test_expert_balance_benchmark_quick():
+  """experiments/expert_balance.py --quick: at 64 of nano_v3's 128 experts on 8 shards,
+  contiguous placement idles 4 shards and the balanced one none."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, os.path.join(root, "experiments", "expert_balance.py"),
+                      "--quick"], capture_output=True, text=True, timeout=600, cwd=root)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[4:6]
+          for line in r.stdout.splitlines() if line.startswith("| 64 |")}
+  assert int(rows[("64", "contiguous")][0]) == 4 and int(rows[("64", "balanced")][0]) == 0
+  assert float(rows[("64", "balanced")][1]) < 1.2 < 2.0 < float(rows[("64", "contiguous")][1])

@@ -162,15 +162,18 @@ def test_pretrain_on_a_mesh_equals_one_device_and_resumes_on_another(cfg, params
 
 
 def test_elastic_phase_on_a_mesh_equals_one_device(cfg, params, mesh, tmp_path):
+  """On the mesh the experts run expert-parallel ("ep") in the balanced placement; losses and
+  the returned (logical-order) params equal the one-device dense run."""
   rc = R.RouterConfig(hidden=16)
   sched = phases.ElasticSchedule(len(cfg.budgets), stage1_steps=2, stage2_steps=1,
                                  stage2_probs=(0.6, 0.4))
   router0 = R.init(cfg, rc, jax.random.PRNGKey(0))
   out = {}
-  for name, m in (("one", None), ("mesh", mesh)):
+  for name, m, kw in (("one", None, {}),
+                      ("mesh", mesh, {"moe_impl": "ep", "expert_placement": "balanced"})):
     its = {k: _batches(cfg, k) for k in (1, 2)}
     out[name] = phases.elastic(params, params, cfg, router0, rc, sched, its,
-                               _loop(tmp_path, name, m), lr=1e-3, router_lr=3e-2)
+                               _loop(tmp_path, name, m), lr=1e-3, router_lr=3e-2, **kw)
   np.testing.assert_allclose(_losses(tmp_path, "mesh"), _losses(tmp_path, "one"), rtol=1e-5)
   chex.assert_trees_all_close(jax.device_get(out["mesh"]), jax.device_get(out["one"]),
                               rtol=1e-4, atol=1e-5)

@@ -10,6 +10,7 @@ import pytest
 
 from elastic_jax import count_params
 from elastic_jax.training import data, phases
+from elastic_jax.elastic import deploy
 from elastic_jax.elastic import router as R
 from elastic_jax.training.metrics import MetricsWriter
 from elastic_jax.elastic.slicing import slice_params
@@ -176,7 +177,7 @@ def test_elastic_step_trains_every_target_of_a_budget(cfg, params):
   rows = jnp.asarray(_rows(cfg, n=2))
   router = R.init(cfg, rc, jax.random.PRNGKey(0))
   out = {}
-  for name, small in (("active", 0.6), ("multi", {"total": 0.4, "active": 0.6, "memory": 0.45})):
+  for name, small in (("active", 0.6), ("multi", {"total": 0.45, "active": 0.6, "memory": 0.8})):
     c = cfg.replace(budgets=(("full", 1.0), ("small", small)))
     loss_fn = jax.jit(phases.elastic_step_loss(c, rc, 10))
     state = {"model": phases.to_stack_layout(params, c), "router": router}
@@ -185,4 +186,12 @@ def test_elastic_step_trains_every_target_of_a_budget(cfg, params):
     assert np.isfinite(float(loss)) and max(float(jnp.abs(x).max())
                                             for x in jax.tree.leaves(g["router"])) > 0
     out[name] = float(m["budget_loss"])
+    # The router pays -log P(in band) of its budget at the step's logit scale, in the loss.
+    combos, in_band = deploy.band_table(c, rc)
+    lg = {n: R.logit_scale(0, 10, rc) * l
+          for n, l in R.logits(router, R.budget_onehot(c, "small"), c, rc).items()}
+    np.testing.assert_allclose(m["out_of_band"],
+                               deploy.out_of_band_nll(lg, c, rc, combos, in_band[1]), rtol=1e-5)
+    assert float(m["out_of_band"]) > 0
+    np.testing.assert_allclose(loss, m["kd"] + m["budget_loss"] + m["out_of_band"], rtol=1e-6)
   assert out["multi"] > out["active"], out

@@ -77,6 +77,14 @@ def test_pipeline_end_to_end(reference):
                os.listdir(os.path.join(workdir, "tb", phase)))
   meta = checkpoint.load_metadata(os.path.join(workdir, "nested"))
   assert set(meta["budget_counts"]) == {"full", "medium", "small"} and meta["has_router"]
+  # Per budget: each target with the deployed architecture's ratio (in band) and the argmax's.
+  budget_report = meta["extra"]["budget_report"]
+  for r in report:
+    got = budget_report[r["budget"]]
+    assert got["deployed"]["active"]["target"] == r["target"]
+    assert got["deployed"]["active"]["ratio"] == pytest.approx(r["active_ratio"], rel=1e-6)
+    assert abs(got["deployed"]["active"]["error"]) <= 0.05
+    assert set(got["argmax"]) == {"active"} and set(got["argmax_counts"]) == set(r["counts"])
   small, small_cfg = checkpoint.restore(os.path.join(workdir, "nested"), "small")
   counts = meta["budget_counts"]["small"]
   # The restored sub-model has the router's chosen sizes (per the stored table), not the parent's.
@@ -98,6 +106,14 @@ def test_resume_after_kill_is_exact(reference, tmp_path):
   assert "elastic: resumed from step" in r.stdout
   ref, got = _curve(ref_dir), _curve(workdir)
   assert len(ref) == 8 + 40 and got == ref
+  # Reproducibility (issue 20 item 4): the two runs are separate processes (here three, the
+  # first two killed), and every metric, the per-budget report included, is bit-identical.
+  rows = lambda d: [{k: v for k, v in r.items() if k != "tok_per_s"}
+                    for r in MetricsWriter(d, tensorboard=False).read()]
+  report = lambda d: [r for r in rows(d) if r["phase"] == "report"]
+  assert len(report(ref_dir)) == 3 and report(workdir) == report(ref_dir)
+  by_step = lambda d: {(r["phase"], r["step"]): r for r in rows(d) if "step" in r}
+  assert by_step(workdir) == by_step(ref_dir)
 
 
 def test_elastic_vs_separate_quick_mode(reference, tmp_path):
@@ -184,6 +200,8 @@ def test_train_cli_user_error_is_one_line(tmp_path):
     ("pretrain.lr", -1e-3, "pretrain.lr must be a number > 0, got -0.001"),
     ("data.n_text", -5, "data.n_text must be an int >= 0, got -5"),
     ("elastic.hard_prob", 2.0, "elastic.hard_prob must be a number >= 0 and <= 1, got 2.0"),
+    ("elastic.expert_placement", "strided", "elastic.expert_placement must be one of"),
+    ("router.band_weight", -1.0, "router.band_weight must be a number >= 0, got -1.0"),
 ])
 def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, value, match):
   from configs import tiny

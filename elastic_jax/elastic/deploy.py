@@ -9,6 +9,10 @@ the rest is deployed. With no combination in band, the budget is infeasible for 
 choices, whatever the router learns: `check_feasible` refuses it before training, naming the
 targets and the closest achievable sizes. Enumeration is capped at `MAX_COMBINATIONS` (a
 per-layer router over many layers needs a search this module does not have yet).
+
+Training uses the same table (`band_table`) so that the router's own argmax lands in band:
+`out_of_band_nll` is -log of the probability the router's distribution puts on in-band
+architectures, which vanishes once its mass (and so its mode) is inside every band.
 """
 from __future__ import annotations
 
@@ -87,14 +91,22 @@ def _infeasible(budget: str, targets, errs: np.ndarray, config, rc, combos) -> V
       f"{_to_counts(config, rc, combos[best])}, is {got}")
 
 
+def achieved(config: ModelConfig, rc: router_lib.RouterConfig, counts: Mapping,
+             budget: str) -> dict[str, dict[str, float]]:
+  """{measure: {"target": f, "ratio": M(counts) / M_full, "error": ratio / f - 1}} for each
+  target of `budget` (what the nested checkpoint records per budget)."""
+  out = {}
+  for m, f in config.budget_targets(budget).items():
+    ratio = (float(measures.measure(config, counts, m, rc.cost))
+             / float(measures.measure(config, None, m, rc.cost)))
+    out[m] = {"target": float(f), "ratio": ratio, "error": ratio / f - 1.0}
+  return out
+
+
 def errors(config: ModelConfig, rc: router_lib.RouterConfig, counts: Mapping,
            budget: str) -> dict[str, float]:
   """{measure: M(counts) / (f M_full) - 1} for each target of `budget` (signed)."""
-  out = {}
-  for m, f in config.budget_targets(budget).items():
-    full = float(measures.measure(config, None, m, rc.cost))
-    out[m] = float(measures.measure(config, counts, m, rc.cost)) / (f * full) - 1.0
-  return out
+  return {m: a["error"] for m, a in achieved(config, rc, counts, budget).items()}
 
 
 def violation(config: ModelConfig, rc: router_lib.RouterConfig, counts: Mapping,
@@ -126,12 +138,46 @@ def stored_router_config(meta: Mapping) -> router_lib.RouterConfig | None:
 
 def check_feasible(config: ModelConfig, rc: router_lib.RouterConfig) -> None:
   """ValueError naming the first budget no architecture can satisfy (before any training)."""
+  band_table(config, rc)
+
+
+def band_table(config: ModelConfig, rc: router_lib.RouterConfig) -> tuple[np.ndarray, np.ndarray]:
+  """(combinations [n, rows], in_band [n_budgets, n]): which architectures satisfy every target
+  band of each budget (the full budget: all of them, its anchor keeps it the parent). Static:
+  computed once per run, a constant of the compiled step. A budget with no architecture in
+  band is refused (as `check_feasible`)."""
   combos = combinations(config, rc)
+  rows = []
   for name in config.budget_names:
     targets = config.budget_targets(name)
+    if all(f >= 1.0 for f in targets.values()):
+      rows.append(np.ones(len(combos), bool))
+      continue
     errs = relative_errors(config, rc, combos, targets)
-    if not np.any(np.all(errs <= rc.band + 1e-9, axis=1)):
+    rows.append(np.all(errs <= rc.band + 1e-9, axis=1))
+    if not rows[-1].any():
       raise _infeasible(name, targets, errs, config, rc, combos)
+  return combos, np.stack(rows)
+
+
+def log_probs(logits: Mapping, config: ModelConfig, rc: router_lib.RouterConfig,
+              combos) -> jax.Array:
+  """[n] log-probability of each architecture under the router's per-row distributions
+  (softmax of `logits`, {axis: [rows, choices]}; rows are independent)."""
+  out = 0.0
+  for j, (name, r) in enumerate(_rows(config, rc)):
+    out = out + jax.nn.log_softmax(logits[name], -1)[r][combos[:, j]]
+  return out
+
+
+def out_of_band_nll(logits: Mapping, config: ModelConfig, rc: router_lib.RouterConfig, combos,
+                    in_band) -> jax.Array:
+  """-log P(architecture inside every band) under the router's distribution (`log_probs`);
+  `in_band`: [n] bools, one row of `band_table` (may be selected by a traced budget index).
+  0 when all mass is in band; its gradient moves mass onto the in-band architectures the
+  router already prefers (the ones `deployed_counts` would pick)."""
+  lp = log_probs(logits, config, rc, jnp.asarray(combos))
+  return -jax.nn.logsumexp(jnp.where(in_band, lp, -jnp.inf))
 
 
 def deployed_counts(router_params: dict, config: ModelConfig, rc: router_lib.RouterConfig,
@@ -147,8 +193,5 @@ def deployed_counts(router_params: dict, config: ModelConfig, rc: router_lib.Rou
   if not ok.any():
     raise _infeasible(budget, targets, errs, config, rc, combos)
   lg = router_lib.logits(router_params, router_lib.budget_onehot(config, budget), config, rc)
-  score = np.zeros(len(combos))
-  for j, (name, r) in enumerate(_rows(config, rc)):
-    score += np.asarray(jax.nn.log_softmax(lg[name], -1))[r][combos[:, j]]
-  score = np.where(ok, score, -np.inf)
+  score = np.where(ok, np.asarray(log_probs(lg, config, rc, jnp.asarray(combos))), -np.inf)
   return _to_counts(config, rc, combos[int(np.argmax(score))])

@@ -34,6 +34,9 @@ class RouterConfig:
   tau_decay: float = 0.999
   band: float = 0.05
   anchor_weight: float = 10.0
+  # Weight of -log P(in band) (`deploy.out_of_band_nll`), which keeps the router's own argmax
+  # inside every band in training; 0 turns it off.
+  band_weight: float = 1.0
   cost: measures.CostModel = measures.CostModel()   # the memory / latency measures' setting
 
   def __post_init__(self):

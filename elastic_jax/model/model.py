@@ -12,9 +12,12 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import attention as attn_lib
+from elastic_jax.model import expert_placement
 from elastic_jax.model import layouts
 from elastic_jax.model import mamba2 as mamba_lib
 from elastic_jax.model.block import Block
@@ -127,6 +130,28 @@ def to_canonical(params: dict, config: ModelConfig) -> dict:
   if is_scanned(params):
     return layouts.from_scanned(params, plan_stack(config.layer_pattern))
   return params
+
+
+def place_experts(params: dict, config: ModelConfig, placement: str) -> tuple[dict, ModelConfig]:
+  """(params, config) with the routed experts moved from `config.expert_placement`'s order into
+  `placement`'s (`expert_placement.order`): every leaf with an "experts" logical axis (router
+  columns, its bias, expert weights) is permuted along it, in either layout; the returned config
+  names the new placement, so the model permutes its (logical) expert masks to match. The same
+  function, with the expert axis laid out for balanced expert parallelism."""
+  if placement == config.expert_placement:
+    return params, config
+  E = config.n_routed_experts
+  old = expert_placement.order(E, config.expert_placement)
+  new = expert_placement.order(E, placement)
+  take = np.argsort(old)[new]  # physical slot in the new order -> slot in the old
+  logical = scanned_logical_axes(config) if is_scanned(params) else logical_axes(config)
+
+  def move(names, x):
+    names = tuple(names)
+    return jnp.take(x, take, axis=names.index("experts")) if "experts" in names else x
+
+  moved = jax.tree.map(move, logical, params, is_leaf=lambda x: isinstance(x, P))
+  return moved, config.replace(expert_placement=placement)
 
 
 def apply(params: dict, tokens_BT, masks: BudgetMasks | None = None, *, config: ModelConfig,

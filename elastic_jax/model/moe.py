@@ -15,8 +15,10 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from elastic_jax.config import ModelConfig
+from elastic_jax.model import expert_placement
 from elastic_jax.model import initializers as init
 from elastic_jax.model import moe_parallel
 
@@ -118,6 +120,10 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
   dt_ = jnp.dtype(c.compute_dtype)
   B, T, D = x_BTD.shape
   x_TD = x_BTD.reshape(B * T, D).astype(dt_)
+  placed = c.expert_placement != "contiguous"
+  if placed:  # params hold the experts in physical order; masks come in logical order
+    perm = expert_placement.order(c.n_routed_experts, c.expert_placement)
+    expert_mask_E = None if expert_mask_E is None else expert_mask_E[..., perm]
   gates, idx = route(p, x_TD, c, expert_mask_E)
   stats = None
   if collect:
@@ -132,6 +138,9 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0),
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
              "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0)}
+    if placed:  # per-expert statistics back in logical order
+      inv = np.argsort(perm)
+      stats = {k: v if k == "ffn" else v[inv] for k, v in stats.items()}
   else:
     routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_)
   shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from elastic_jax.elastic import deploy
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.config import ModelConfig
 from elastic_jax.model.lm import lm_head
@@ -71,9 +72,13 @@ def chunked_cross_entropy(hidden_BTD, head_DV, targets_BT, config: ModelConfig, 
 def elastic_loss(params, router_params, teacher_logits, tokens, onehot, targets, step,
                  total_steps, key, *, config: ModelConfig, rc: router_lib.RouterConfig,
                  budget_weight: float = 1.0, hard_prob: float = 0.004, moe_impl: str = "dense",
-                 teacher_lm_head=None, kd_chunk: int = 0):
+                 teacher_lm_head=None, kd_chunk: int = 0, band=None):
   """(loss, metrics) for one micro-batch at one budget. `targets` are the budget's targets
   ({measure: fraction}, or one active fraction; see `router.budget_loss`).
+
+  `band`: (combinations, in_band row) of the budget (`deploy.band_table`): adds
+  `rc.band_weight` * -log P(in band) under the router's distribution, so its argmax, not only
+  the architecture deployed, lands inside every band (metric "out_of_band").
 
   With `kd_chunk` > 0, `teacher_logits` is the teacher's final hidden states [B,T,D]
   (`model.apply_hidden`) and `teacher_lm_head` its head: the KD term runs `kd_chunk` tokens at
@@ -103,4 +108,11 @@ def elastic_loss(params, router_params, teacher_logits, tokens, onehot, targets,
   bl = router_lib.budget_loss(probs, config, targets, rc)
   deployed = {n: router_lib.straight_through(p) for n, p in router_probs.items()}
   bl = bl + router_lib.budget_loss(deployed, config, targets, rc)
-  return kd + budget_weight * bl, {"kd": kd, "budget_loss": bl, "tau": tau, "scale": scale}
+  metrics = {"kd": kd, "budget_loss": bl, "tau": tau, "scale": scale}
+  if band is not None:
+    combos, in_band = band
+    nll = deploy.out_of_band_nll({n: lg * scale for n, lg in logits.items()}, config, rc,
+                                 combos, in_band)
+    bl = bl + rc.band_weight * nll
+    metrics["out_of_band"] = nll
+  return kd + budget_weight * bl, metrics

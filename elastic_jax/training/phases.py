@@ -21,13 +21,15 @@ import optax
 
 from elastic_jax import rng
 from elastic_jax.config import ModelConfig
+from elastic_jax.elastic import deploy
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.parallel.rules import DEFAULT_RULES
 from elastic_jax.training import optim
 from elastic_jax.training.distill import chunked_cross_entropy, elastic_loss, forward_kl
 from elastic_jax.training.loop import commit, run_phase
-from elastic_jax.model.model import apply, apply_hidden, to_canonical, to_stack_layout
+from elastic_jax.model.model import (apply, apply_hidden, place_experts, to_canonical,
+                                     to_stack_layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,10 +272,12 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
   `moe_impl` is the MoE dispatch of student and teacher (`model.moe.MOE_IMPLS`); `kd_chunk` > 0
   runs the KD term that many tokens at a time from hidden states (`distill.chunked_forward_kl`).
   Metrics "kd_by_budget" / "n_by_budget" ([n_budgets]: the KD loss and a 1 at the budget
-  trained) give per-budget KD once averaged (`kd_per_budget`)."""
+  trained) give per-budget KD once averaged (`kd_per_budget`). With `rc.band_weight` > 0 the
+  router also pays -log P(in band) of its budget (`deploy.out_of_band_nll`)."""
   check_chunk("elastic.kd_chunk", kd_chunk)
   targets = router_lib.budget_targets(config)
   n = len(config.budgets)
+  table = deploy.band_table(config, rc) if rc.band_weight > 0 else None
 
   def loss_fn(state, x, teacher, b, step, key):
     x = x[:, :-1]  # KD needs no shifted targets; the row's inputs, as in the other phases
@@ -284,7 +288,8 @@ def elastic_step_loss(config: ModelConfig, rc: router_lib.RouterConfig, total_st
         state["model"], state["router"], t, x, onehot, {m: v[b] for m, v in targets.items()},
         step, total_steps, key, config=config, rc=rc, budget_weight=budget_weight,
         hard_prob=hard_prob, moe_impl=moe_impl,
-        teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]), kd_chunk=kd_chunk)
+        teacher_lm_head=jax.lax.stop_gradient(teacher["lm_head"]), kd_chunk=kd_chunk,
+        band=None if table is None else (table[0], jnp.asarray(table[1])[b]))
     return loss, {**metrics, "kd_by_budget": onehot * metrics["kd"], "n_by_budget": onehot}
   return loss_fn
 
@@ -312,20 +317,28 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
             schedule: ElasticSchedule, stage_batches: dict, loop: LoopOptions, *,
             lr: float = 1e-3, router_lr: float = 1e-2, warmup: int = 10,
             budget_weight: float = 1.0, hard_prob: float = 0.004, seed: int = 0,
-            moe_impl: str = "dense", kd_chunk: int = 0, weight_decay: float = 0.0):
+            moe_impl: str = "dense", kd_chunk: int = 0, weight_decay: float = 0.0,
+            expert_placement: str = "contiguous"):
   """Elastic KD of the nested `params` (student, initialised from the parent) against the frozen
   `teacher`, a budget per micro-batch as `schedule` draws them. `stage_batches` = {1: stage-1
-  iterator, 2: stage-2 iterator}. Logs the KD loss per budget. Returns (params, router)."""
+  iterator, 2: stage-2 iterator}. Logs the KD loss per budget. Returns (params, router).
+
+  `expert_placement`: the routed experts' order while training ("balanced" spreads every
+  budget's experts over an expert-parallel mesh, `model.place_experts`); the phase's
+  checkpoints hold that order, the returned params `config`'s."""
   total = schedule.total
+  given = config
+  placed = lambda p: place_experts(to_stack_layout(p, given), given, expert_placement)
+  teacher, config = placed(teacher)
   loss_fn = elastic_step_loss(config, rc, total, budget_weight, hard_prob, moe_impl, kd_chunk)
   base_key = rng.key(seed, "gumbel")
-  teacher = commit(loop.place_model(to_stack_layout(teacher, config), config))
+  teacher = commit(loop.place_model(teacher, config))
   M = schedule.micro_batches
   args = lambda i, x: (teacher, jnp.asarray(schedule.budgets(i), jnp.int32), jnp.int32(i),
                        micro_keys(base_key, i, M))
   opt = optim.elastic_adamw(total, lr, router_lr, weight_decay, warmup_steps=warmup)
   names = config.budget_names
-  params = to_stack_layout(params, config)
+  params = placed(params)[0]
   sharding = None if loop.mesh is None else elastic_params_sharding(
       params, router_params, config, loop.mesh, loop.rules)
   state = _run("elastic", loss_fn, {"model": params, "router": router_params}, opt, total,
@@ -335,4 +348,6 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
                iterators={f"stage{k}": v for k, v in stage_batches.items()},
                params_sharding=sharding, micro_batches=M, per_micro=ELASTIC_PER_MICRO,
                window=lambda ms: kd_per_budget(ms, names))
-  return to_canonical(state["model"], config), state["router"]
+  params = place_experts(to_canonical(state["model"], config), config,
+                         given.expert_placement)[0]
+  return params, state["router"]

@@ -20,7 +20,7 @@ from elastic_jax.io import checkpoint, lock
 from elastic_jax.training import data, optim, phases
 from elastic_jax.elastic import deploy, measures
 from elastic_jax.elastic import router as router_lib
-from elastic_jax.config import CHOICE_FIELDS, ModelConfig
+from elastic_jax.config import CHOICE_FIELDS, EXPERT_PLACEMENTS, ModelConfig
 from elastic_jax.elastic.importance import compute_importance
 from elastic_jax.training.metrics import MetricsWriter
 from elastic_jax.model.model import init, param_shapes
@@ -46,6 +46,7 @@ _RANGES = (
     ("router.hidden", int, 1, None, True), ("router.scale_end", float, 0, None, False),
     ("router.tau_min", float, 0, 1, False), ("router.tau_anneal_frac", float, 0, 1, False),
     ("router.band", float, 0, 1, True), ("router.anchor_weight", float, 0, None, True),
+    ("router.band_weight", float, 0, None, True),
     ("eval.n_reasoning", int, 0, None, True), ("eval.max_think_tokens", int, 1, None, True),
     ("eval.max_answer_tokens", int, 1, None, True),
 )
@@ -71,6 +72,9 @@ def check_run_config(c) -> None:
   for rule in _RANGES:
     _check_range(c, *rule)
   optim.check_master(c.optim.master)
+  if c.elastic.expert_placement not in EXPERT_PLACEMENTS:
+    raise ValueError(f"elastic.expert_placement must be one of {EXPERT_PLACEMENTS}, got "
+                     f"{c.elastic.expert_placement!r}")
   phases.check_chunk("pretrain.lm_chunk", c.pretrain.lm_chunk)
   phases.check_chunk("elastic.kd_chunk", c.elastic.kd_chunk)
   phases.check_budget_probs(len(c.model.budgets), c.elastic.p_full, tuple(c.elastic.stage2_probs))
@@ -262,7 +266,7 @@ def router_config(config, total_steps: int) -> router_lib.RouterConfig:
   return router_lib.RouterConfig(hidden=r.hidden, per_layer=tuple(r.per_layer),
                                  scale_end=r.scale_end, tau_min=r.tau_min,
                                  tau_decay=r.tau_min ** (1.0 / anneal), band=r.band,
-                                 anchor_weight=r.anchor_weight,
+                                 anchor_weight=r.anchor_weight, band_weight=r.band_weight,
                                  cost=cost_model(config))
 
 
@@ -298,20 +302,27 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
                  2: td.iterator(L2, B, rng.seed_for(c.seed, "stage2_data"))},
       run.loop("elastic"), lr=e.lr, router_lr=e.router_lr, warmup=e.warmup,
       budget_weight=e.budget_weight, hard_prob=e.hard_prob, seed=c.seed, moe_impl=e.moe_impl,
-      kd_chunk=e.kd_chunk, weight_decay=e.weight_decay)
-  counts = {}
+      kd_chunk=e.kd_chunk, weight_decay=e.weight_decay, expert_placement=e.expert_placement)
+  counts, report = {}, {}
   for n in cfg.budget_names:
     # Deployed: the router's best architecture inside every band of the budget's targets.
     counts[n] = deploy.deployed_counts(router, cfg, rc, n)
     argmax = router_lib.chosen_counts(router, cfg, rc, n)
-    if argmax != counts[n]:
-      off = lambda c: ", ".join(f"{m} {e:+.1%}" for m, e in deploy.errors(cfg, rc, c, n).items())
+    report[n] = {"deployed": deploy.achieved(cfg, rc, counts[n], n), "argmax_counts": argmax,
+                 "argmax": deploy.achieved(cfg, rc, argmax, n)}
+    off = lambda c: ", ".join(f"{m} {e:+.1%}" for m, e in deploy.errors(cfg, rc, c, n).items())
+    if argmax == counts[n] and min(cfg.budget_targets(n).values()) < 1:
+      print(f"budget {n}: the router's argmax {argmax} is in band ({off(argmax)}; band "
+            f"{rc.band:.0%})", flush=True)
+    elif argmax != counts[n]:
       print(f"budget {n}: the router's argmax {argmax} is off its targets by {off(argmax)} "
             f"(band {rc.band:.0%}); deploying its best choice in band, {counts[n]} "
             f"({off(counts[n])})", flush=True)
+  # The metadata records, per budget, each target with the deployed and the argmax ratios.
   checkpoint.save(os.path.join(run.workdir, "nested"), params, cfg, router=router,
                   budget_counts=counts, tokenizer=run.tokenizer_path,
-                  extra={"router_config": dataclasses.asdict(rc)}, overwrite=True)
+                  extra={"router_config": dataclasses.asdict(rc), "budget_report": report},
+                  overwrite=True)
   return TrainedFamily(params, router, rc, counts, schedule)
 
 
