@@ -10,6 +10,14 @@ devices it needs.
 
 Both stages are planned (stage 1 at data.seq_len, stage 2 at seq_len x stage2_len_mult) with the
 config's global batch (data.batch); --seq_len / --batch override them.
+
+  python -m elastic_jax.plan --inference --context=8192 --context=131072
+
+prints instead, per budget and weight format, the serving memory of one device: weights, the KV
+and Mamba caches of one sequence at each context, and the largest batch that fits
+--device_gb. The budgets' counts come from --counts_from (a nested checkpoint's stored counts)
+or else from a router fitted to the budgets' targets alone (`router.fit_to_budgets`, then the
+best architecture in band, as deployment picks).
 """
 from __future__ import annotations
 
@@ -32,7 +40,52 @@ flags.DEFINE_integer("seq_len", None, "stage-1 sequence length (default: config.
 flags.DEFINE_string("moe_impl", None, "MoE dispatch (default: config.elastic.moe_impl)")
 flags.DEFINE_bool("donate", True, "the step donates its state (as training does); --nodonate "
                   "shows what donation saves")
+flags.DEFINE_bool("inference", False, "print the serving memory table instead of the step")
+flags.DEFINE_multi_integer("context", [8192, 131072], "serving context(s) in tokens")
+flags.DEFINE_float("device_gb", 80.0, "device memory for the largest batch, GB (1e9 bytes)")
+flags.DEFINE_list("formats", ["bfloat16", "fp8", "nvfp4"], "weight formats")
+flags.DEFINE_string("counts_from", None, "a nested checkpoint whose stored counts to use")
 FLAGS = flags.FLAGS
+
+
+def budget_counts(run_config, counts_from: str | None = None) -> dict:
+  """{budget: counts}: a nested checkpoint's stored table, or the architecture a router fitted
+  to the budgets' targets alone deploys (no weights needed)."""
+  from elastic_jax.config import ModelConfig
+  from elastic_jax.elastic import deploy
+  from elastic_jax.elastic import router as router_lib
+  from elastic_jax.training import pipeline
+  if counts_from:
+    from elastic_jax.io import checkpoint
+    return checkpoint.load_metadata(counts_from)["budget_counts"]
+  cfg = ModelConfig.from_dict(run_config.model.to_dict())
+  rc = pipeline.router_config(run_config, 1)
+  router = router_lib.fit_to_budgets(cfg, rc)
+  return {n: deploy.deployed_counts(router, cfg, rc, n) for n in cfg.budget_names}
+
+
+def inference_table(run_config, counts: dict, contexts, formats, device_gb: float) -> str:
+  """Markdown: per budget and weight format, weights, caches per sequence and the largest
+  batch on one device, at each context (`measures.serving_memory`)."""
+  from elastic_jax.config import ModelConfig
+  from elastic_jax.elastic import measures
+  from elastic_jax.elastic.params_count import count_params
+  cfg = ModelConfig.from_dict(run_config.model.to_dict())
+  head = " | ".join(f"cache / seq @ {t:,} GB | max batch @ {t:,}" for t in contexts)
+  lines = [f"| budget | counts | total params | format | weights GB | {head} |",
+           "|---|---|---:|---|---:|" + "---:|---:|" * len(contexts)]
+  for name, c in counts.items():
+    shown = ", ".join(str(v) for v in c.values())
+    total = count_params(cfg, c).total
+    for fmt in formats:
+      cells = []
+      for t in contexts:
+        m = measures.serving_memory(cfg, c, fmt, t, device_gb * 1e9)
+        cells.append(f"{m['per_sequence'] / 1e9:.3f} | {m['max_batch']:,}")
+      w = measures.serving_memory(cfg, c, fmt, contexts[0], device_gb * 1e9)["weights"]
+      lines.append(f"| {name} | {shown} | {total:,} | {fmt} | {w / 1e9:.2f} | "
+                   f"{' | '.join(cells)} |")
+  return "\n".join(lines)
 
 
 def plan_elastic_step(run_config, mesh, seq_len: int, batch: int, donate: bool = True):
@@ -108,6 +161,12 @@ def main(argv):
   from elastic_jax.parallel import mesh as mesh_lib
 
   c = _CONFIG.value
+  if FLAGS.inference:
+    print(f"plan: serving memory on one device of {FLAGS.device_gb:g} GB (weights + KV and "
+          "Mamba caches; activations not counted)", flush=True)
+    print(inference_table(c, budget_counts(c, FLAGS.counts_from), FLAGS.context,
+                          FLAGS.formats, FLAGS.device_gb))
+    return
   if FLAGS.moe_impl:
     c.elastic.moe_impl = FLAGS.moe_impl
   L1 = FLAGS.seq_len or c.data.seq_len

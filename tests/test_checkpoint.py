@@ -11,6 +11,7 @@ import pytest
 from elastic_jax import apply, from_counts
 from elastic_jax.io import checkpoint
 from elastic_jax.io.checkpoint import CheckpointError
+from elastic_jax.elastic.axes import AXES
 
 SMALL = {"hidden": 16, "mamba_heads": (2, 8), "moe_experts": 4, "moe_ffn": 8}
 
@@ -71,15 +72,21 @@ def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
 
 def test_corrupt_chunk_never_loads_silently(cfg, params, tmp_path):
   """A stored chunk replaced by another valid one (decodes fine, wrong values): the full restore
-  names the leaf instead of returning the wrong weights."""
-  path = checkpoint.save(str(tmp_path / "c"), params, cfg, chunk_byte_size=1024)
+  and a named budget's prefix restore (which reads only part of each leaf) name the leaf
+  instead of returning the wrong weights."""
+  name = cfg.budget_names[-1]
+  counts = {n: a.choices(cfg)[-1] for n, a in AXES.items()}
+  path = checkpoint.save(str(tmp_path / "c"), params, cfg, chunk_byte_size=1024,
+                         budget_counts={name: counts})
   checkpoint.restore(path)   # intact: fingerprints match
+  checkpoint.restore(path, name)
   chunks = tmp_path / "c" / "state" / "params.embed"
   a, b = sorted(f for f in os.listdir(chunks) if not f.startswith("."))[:2]
   shutil.copyfile(chunks / b, chunks / a)
-  with pytest.raises(CheckpointError, match=r"leaf \['params'\]\['embed'\] does not match the "
-                                            r"fingerprint recorded when it was saved"):
-    checkpoint.restore(path)
+  for budget in (None, name, dict(counts)):   # explicit counts equal to the named budget's too
+    with pytest.raises(CheckpointError, match=r"leaf \['params'\]\['embed'\] does not match "
+                                              r"the fingerprint recorded when it was saved"):
+      checkpoint.restore(path, budget)
 
 
 def test_tokenizer_travels_inside_the_checkpoint(cfg, params, ckpt, tmp_path):

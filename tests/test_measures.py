@@ -81,3 +81,21 @@ def test_measures_differentiable_and_dispatch(cfg):
     M.CostModel(batch=0)
   with pytest.raises(ValueError, match="CostModel.weight_format 'int3'"):
     M.CostModel(weight_format="int3")
+
+
+def test_serving_memory_weights_caches_and_largest_batch(cfg):
+  """Weights at the format, one sequence's caches (count_memory less the weights, linear in
+  the context for the KV part), and the largest batch whose caches fit beside the weights."""
+  for fmt in ("bfloat16", "fp8", "nvfp4"):
+    m = M.serving_memory(cfg, COUNTS, fmt, 1000, device_bytes=5e6)
+    w = count_params(cfg, COUNTS).total * {"bfloat16": 2, "fp8": 1, "nvfp4": 0.5625}[fmt]
+    assert m["weights"] == pytest.approx(w)
+    assert 3 * m["per_sequence"] == pytest.approx(
+        count_memory(cfg, COUNTS, weight_format=fmt, batch=3, seq_len=1000) - w)
+    b = m["max_batch"]
+    assert b > 0 and w + b * m["per_sequence"] <= 5e6 < w + (b + 1) * m["per_sequence"]
+  longer = M.serving_memory(cfg, COUNTS, "bfloat16", 2000)["per_sequence"]
+  kv_per_token = (longer - M.serving_memory(cfg, COUNTS, "bfloat16", 1000)["per_sequence"]) / 1000
+  n_attn = len(cfg.layers_of("*"))
+  assert kv_per_token == pytest.approx(n_attn * 2 * cfg.num_kv_heads * cfg.head_dim * 2.0)
+  assert M.serving_memory(cfg, COUNTS, "bfloat16", 1000, device_bytes=1.0)["max_batch"] == 0

@@ -55,3 +55,31 @@ def test_plan_compiles_the_configured_moe_dispatch(run_config):
   c.elastic.moe_impl = "gather"
   gather, _, _ = plan_cli.plan_elastic_step(c, mesh, 32, 8)
   assert gather.temporaries > 1.5 * dense.temporaries, (gather, dense)
+
+
+def test_plan_inference_table(tmp_path):
+  """--inference: per budget and weight format, the serving memory (`measures.serving_memory`)
+  of the counts a router fitted to the budgets' targets deploys, and of a checkpoint's counts."""
+  from elastic_jax import count_params
+  from elastic_jax.config import ModelConfig
+  from elastic_jax.elastic import measures
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.plan", "--config=configs/tiny.py",
+                      "--inference", "--context=512", "--device_gb=0.01"],
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = [[x.strip() for x in l.split("|")[1:-1]] for l in r.stdout.splitlines()
+          if re.match(r"\| (full|medium|small) \|", l)]
+  c = tiny.get_config()
+  cfg = ModelConfig.from_dict(c.model.to_dict())
+  assert [(row[0], row[3]) for row in rows] == [
+      (b, f) for b in ("full", "medium", "small") for f in ("bfloat16", "fp8", "nvfp4")]
+  for row in rows:
+    counts = dict(zip(("hidden", "mamba_heads", "moe_experts", "moe_ffn"),
+                      map(int, row[1].split(", "))))
+    ratio = count_params(cfg, counts).active / count_params(cfg).active
+    assert abs(ratio / cfg.budget_fraction(row[0]) - 1) <= 0.05, row   # deployed in band
+    m = measures.serving_memory(cfg, counts, row[3], 512, 0.01e9)
+    assert row[6] == f"{m['max_batch']:,}" and m["max_batch"] > 0
+  table = plan_cli.inference_table(c, {"full": {"hidden": 96, "mamba_heads": 8, "moe_experts": 8,
+                                                "moe_ffn": 96}}, [512], ["fp8"], 0.01)
+  assert table.splitlines()[-1].startswith("| full | 96, 8, 8, 96 | 924,288 | fp8 |")

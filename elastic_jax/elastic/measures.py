@@ -113,3 +113,17 @@ def measure(config: ModelConfig, counts: Mapping[str, Any] | None, name: str,
   if name == "latency":
     return count_latency(config, counts, cost, validate)
   raise ValueError(f"budget measure must be one of {list(BUDGET_MEASURES)}, got {name!r}")
+
+
+def serving_memory(config: ModelConfig, counts: Mapping[str, Any] | None, weight_format: str,
+                   context: int, device_bytes: float = 80e9, kv_bytes: float = 2.0) -> dict:
+  """One device serving the sub-model with `counts`: {"weights": bytes of every stored weight
+  at `weight_format`, "per_sequence": bytes of the KV cache of `context` tokens plus the Mamba
+  conv and SSM states of one sequence, "max_batch": the most sequences whose caches fit beside
+  the weights in `device_bytes` (0 if the weights alone do not fit)}. Activations and framework
+  workspace are not counted."""
+  weights = float(count_params(config, counts).total * BYTES_PER_ELEMENT[weight_format])
+  per_seq = float(count_memory(config, counts, weight_format=weight_format, batch=1,
+                               seq_len=context, kv_bytes=kv_bytes)) - weights
+  return {"weights": weights, "per_sequence": per_seq,
+          "max_batch": max(0, int((device_bytes - weights) // per_seq))}

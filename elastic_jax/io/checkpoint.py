@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.axes import AXES, normalize_counts
-from elastic_jax.elastic.slicing import sliced_config
+from elastic_jax.elastic.slicing import slice_params, sliced_config
 from elastic_jax.io import fingerprint
 from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
@@ -101,6 +101,10 @@ def save(path: str, params, config: ModelConfig, *, router=None,
         lambda x: ocp.SaveArgs(chunk_byte_size=chunk_byte_size or _auto_chunk_bytes(x)), state)
     _checkpointer().save(os.path.join(tmp, "state"), state, save_args=args)
     sums = fingerprint.fingerprints(state)
+    # Per named budget, of the prefix a sub-model restore reads: it is checked without
+    # reading the rest of each leaf.
+    by_budget = {b: fingerprint.fingerprints({"params": slice_params(params, config, c)[0]})
+                 for b, c in budget_counts.items()}
     if tokenizer:   # inside the checkpoint: a moved run never picks up another's tokenizer
       shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {"format": FORMAT, "config": config.to_dict(),
@@ -110,7 +114,7 @@ def save(path: str, params, config: ModelConfig, *, router=None,
             "has_router": router is not None, "tokenizer": TOKENIZER_FILE if tokenizer else None,
             "extra": dict(extra or {}),
             "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()},
-            "fingerprints": sums}
+            "fingerprints": sums, "budget_fingerprints": by_budget}
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
       json.dump(meta, f, indent=1)
     old = None
@@ -191,12 +195,26 @@ def resolve_counts(path: str, budget: str | Mapping[str, Any] | None) -> dict | 
   return table[budget]
 
 
+def _recorded_fingerprints(meta: Mapping, config: ModelConfig, counts) -> dict | None:
+  """The fingerprints a restore at `counts` can be checked against: the whole leaves' for a
+  full read, a named budget's (same counts) for a sub-model; None for other counts."""
+  if counts is None:
+    return meta.get("fingerprints")
+  want = normalize_counts(config, counts)
+  for name, stored in meta.get("budget_counts", {}).items():
+    if name in meta.get("budget_fingerprints", {}) and normalize_counts(config, stored) == want:
+      return meta["budget_fingerprints"][name]
+  return None
+
+
 def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
             expected_config: ModelConfig | None = None, sharding=None):
   """(params, config) of the sub-model at `budget` (a name or per-axis counts; None = full).
 
-  Reads only the prefix of every array that the sub-model needs.
-  """
+  Reads only the prefix of every array that the sub-model needs, and checks what it read
+  against the fingerprints recorded at save time: the whole leaves for a full read, the named
+  budget's for a sub-model (explicit counts equal to a named budget's included; other explicit
+  counts are not checked)."""
   path = os.path.abspath(path)
   config = load_config(path)
   if expected_config is not None and expected_config != config:
@@ -238,8 +256,9 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
                           partial_restore=True)  # the router, if any, is restored separately
   except Exception as e:
     raise CheckpointError(f"{path}: restore failed ({type(e).__name__}: {e})") from None
-  if counts is None and meta.get("fingerprints"):   # a full read can be checked whole
-    bad = fingerprint.mismatches({"params": state["params"]}, meta["fingerprints"])
+  recorded = _recorded_fingerprints(meta, config, counts)
+  if recorded:
+    bad = fingerprint.mismatches({"params": state["params"]}, recorded)
     if bad:
       more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
       raise CheckpointError(f"{path}: leaf {bad[0]}{more} does not match the fingerprint "
