@@ -12,14 +12,10 @@ from elastic_jax.elastic import router as R
 from elastic_jax.elastic.axes import AXES
 
 
-def _reference(rp, cfg, rc, budget):
-  """Every architecture by itertools and count_params (ints), scored by the router's
-  log-probabilities; the best one with active and total inside the band."""
-  lg = R.logits(rp, R.budget_onehot(cfg, budget), cfg, rc)
-  logp = {n: np.asarray(jax.nn.log_softmax(l, -1)) for n, l in lg.items()}
-  rows = [(n, r) for n in AXES for r in range(logp[n].shape[0])]
+def _architectures(cfg, rows, budget, band):
+  """(choice index per router row, counts, in band) of every architecture, by itertools and
+  count_params (ints); `rows`: (axis, row) pairs; in band: active and total within `band`."""
   full, targets = count_params(cfg), cfg.budget_targets(budget)
-  best, best_score = None, -np.inf
   for combo in itertools.product(*(range(len(AXES[n].choices(cfg))) for n, _ in rows)):
     counts = {}
     for (n, r), i in zip(rows, combo):
@@ -27,10 +23,19 @@ def _reference(rp, cfg, rc, budget):
     counts = {n: v[0] if len(v) == 1 else tuple(v) for n, v in counts.items()}
     pc = count_params(cfg, counts)
     size = {"active": pc.active / full.active, "total": pc.total / full.total}
-    if all(abs(size[m] / f - 1) <= rc.band for m, f in targets.items()):
-      score = sum(logp[n][r][i] for (n, r), i in zip(rows, combo))
-      if score > best_score:
-        best, best_score = counts, score
+    yield combo, counts, all(abs(size[m] / f - 1) <= band for m, f in targets.items())
+
+
+def _reference(rp, cfg, rc, budget):
+  """Every architecture scored by the router's log-probabilities; the best one in band."""
+  lg = R.logits(rp, R.budget_onehot(cfg, budget), cfg, rc)
+  logp = {n: np.asarray(jax.nn.log_softmax(l, -1)) for n, l in lg.items()}
+  rows = [(n, r) for n in AXES for r in range(logp[n].shape[0])]
+  best, best_score = None, -np.inf
+  for combo, counts, ok in _architectures(cfg, rows, budget, rc.band):
+    score = sum(logp[n][r][i] for (n, r), i in zip(rows, combo))
+    if ok and score > best_score:
+      best, best_score = counts, score
   return best
 
 
@@ -70,17 +75,8 @@ def test_out_of_band_nll_is_minus_log_of_the_in_band_mass(cfg, per_layer):
     lg = R.logits(rp, R.budget_onehot(c, name), c, rc)
     p = {n: np.asarray(jax.nn.softmax(l, -1), np.float64) for n, l in lg.items()}
     rows = [(n, r) for n in AXES for r in range(p[n].shape[0])]
-    full, targets = count_params(c), c.budget_targets(name)
-    mass = 0.0
-    for combo in itertools.product(*(range(len(AXES[n].choices(c))) for n, _ in rows)):
-      counts = {}
-      for (n, r), i in zip(rows, combo):
-        counts.setdefault(n, []).append(AXES[n].choices(c)[i])
-      counts = {n: v[0] if len(v) == 1 else tuple(v) for n, v in counts.items()}
-      pc = count_params(c, counts)
-      size = {"active": pc.active / full.active, "total": pc.total / full.total}
-      if b == 0 or all(abs(size[m] / f - 1) <= rc.band for m, f in targets.items()):
-        mass += np.prod([p[n][r][i] for (n, r), i in zip(rows, combo)])
+    mass = sum(np.prod([p[n][r][i] for (n, r), i in zip(rows, combo)])
+               for combo, _, ok in _architectures(c, rows, name, rc.band) if b == 0 or ok)
     got = float(deploy.out_of_band_nll(lg, c, rc, combos, in_band[b]))
     np.testing.assert_allclose(got, -np.log(mass), rtol=1e-5, atol=1e-6)
 

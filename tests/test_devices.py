@@ -62,8 +62,9 @@ def test_generate_on_a_later_device(cfg, params):
 
 
 def test_generate_with_params_sharded_over_a_mesh(cfg, params):
-  """Params sharded by their logical axes (fsdp x tensor x expert): the cache is replicated
-  over the same mesh and generation equals one device."""
+  """Params sharded by their logical axes (fsdp x tensor x expert): the decode cache is sharded
+  over the same mesh (streams over fsdp, KV and Mamba heads over tensor), keeps that layout
+  step after step, and generation equals one device."""
   from elastic_jax.parallel import mesh as M
   from elastic_jax.parallel import sharding as S
   mesh = M.make_mesh("fsdp:2,tensor:2,expert:2")
@@ -71,6 +72,16 @@ def test_generate_with_params_sharded_over_a_mesh(cfg, params):
   ref = G.generate(G.SubModel(params, cfg), prompts, 6, max_len=MAX_LEN, chunk=CHUNK)
   sharded = G.SubModel(jax.device_put(params, S.param_shardings(params, cfg, mesh)), cfg)
   state = G.prefill(sharded, prompts, max_len=MAX_LEN, chunk=CHUNK)
-  assert all(len(x.devices()) == 8 for x in jax.tree_util.tree_leaves(state.cache)
-             if isinstance(x, jax.Array))
+  want = S.cache_shardings(state.cache, mesh)
+  specs = {jax.tree_util.keystr(p): s.spec
+           for p, s in jax.tree_util.tree_flatten_with_path(want)[0]}
+  kv = next(v for k, v in specs.items() if k.endswith("['k']"))
+  ssm = next(v for k, v in specs.items() if k.endswith("['ssm']"))
+  assert kv[0] == "fsdp" and kv[2] == "tensor" and ssm[0] == "fsdp" and ssm[2] == "tensor"
+  state = G.feed(sharded, state, state.pending)
+  state = G.feed(sharded, state, state.pending)
+  for got, w, x in zip(jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state.cache)),
+                       jax.tree.leaves(want), jax.tree.leaves(state.cache)):
+    assert got.is_equivalent_to(w, x.ndim), (got, w)
+  assert S.replicated_leaves(state.cache, min_size=64) == []
   assert G.generate(sharded, prompts, 6, max_len=MAX_LEN, chunk=CHUNK) == ref

@@ -249,6 +249,55 @@ def test_two_processes_equal_one_step_for_step_and_resume(tmp_path):
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def _free_port() -> str:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return str(s.getsockname()[1])
+
+
+def test_train_pipeline_across_two_processes(tmp_path):
+  """The whole main job (pretraining, importance and nesting, the nested parent's save, elastic
+  KD, the nested checkpoint, the report) as 2 processes x 4 CPU devices on one mesh: both
+  exit 0, every checkpoint is written once into place (shards from both processes), process 0
+  alone writes metrics, and the family restores in one process with every budget in band."""
+  import os
+  import subprocess
+  import sys
+  from elastic_jax.io import checkpoint
+  from elastic_jax.training.metrics import MetricsWriter
+  workdir = tmp_path / "run"
+  flags = ["--config.pretrain.steps=2", "--config.elastic.stage1_steps=2",
+           "--config.elastic.stage2_steps=1", "--config.log_every=1",
+           "--config.checkpoint.save_every=2", "--config.data.batch=8",
+           "--config.data.n_text=100", "--config.data.n_reasoning=100",
+           "--config.elastic.calib_batches=1", "--config.eval.n_reasoning=0",
+           "--config.elastic.stage2_len_mult=1",
+           "--config.eval.max_think_tokens=2", "--config.eval.max_answer_tokens=1",
+           "--config.parallel.mesh=fsdp:2,tensor:2,expert:2"]
+  port = _free_port()
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  procs = [subprocess.Popen([sys.executable, "-m", "elastic_jax.train", f"--workdir={workdir}",
+                             *flags, f"--coordinator_address=127.0.0.1:{port}",
+                             "--num_processes=2", f"--process_id={i}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+           for i in range(2)]
+  outs = [p.communicate(timeout=900)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+  leftovers = [f for f in os.listdir(workdir) if ".tmp-" in f or ".old-" in f]
+  assert leftovers == [], leftovers
+  records = MetricsWriter(str(workdir), tensorboard=False).read()
+  steps = [(r["phase"], r["step"]) for r in records if "step" in r]
+  assert len(steps) == len(set(steps)) == 2 + 3, steps     # one writer, every step once
+  report = [r for r in records if r["phase"] == "report"]
+  assert [r["budget"] for r in report] == ["full", "medium", "small"]
+  for r in report:
+    assert abs(r["active_ratio"] / r["target"] - 1) <= 0.05, r
+  small, small_cfg = checkpoint.restore(str(workdir / "nested"), "small")  # fingerprints checked
+  assert small_cfg.hidden_size == report[-1]["counts"]["hidden"]
+  checkpoint.restore(str(workdir / "parent"))
+
+
 def test_distributed_initialize_arguments():
   from elastic_jax.parallel import distributed
   assert distributed.initialize() is False          # single process: nothing to join
@@ -272,3 +321,24 @@ def test_hf_import_places_each_tensor_on_its_shards(cfg, params, mesh, tmp_path)
     assert x.sharding == s
   assert S.replicated_leaves(placed, min_size=256) == []
   chex.assert_trees_all_equal(jax.device_get(placed), plain)
+
+
+def test_prefix_restore_lands_on_its_target_shardings(cfg, params, mesh, tmp_path):
+  """A named budget's sub-model restored with `sharding=mesh`: every leaf read straight into the
+  logical-axis sharding of the sub-model's own shapes (nothing large replicated), values equal
+  to the one-device restore, checked against the budget's fingerprints."""
+  from elastic_jax.elastic.axes import AXES
+  from elastic_jax.io import checkpoint
+  name = cfg.budget_names[-1]
+  counts = {n: a.choices(cfg)[1] for n, a in AXES.items()}
+  path = checkpoint.save(str(tmp_path / "nested"), params, cfg, budget_counts={name: counts})
+  one, small = checkpoint.restore(path, name)
+  many, small_many = checkpoint.restore(path, name, sharding=mesh)
+  assert small_many == small
+  want = S.param_shardings(one, small, mesh)
+  got = jax.tree.map(lambda x: x.sharding, many)
+  chex.assert_trees_all_equal_structs(got, want)
+  for g, w, x in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(many)):
+    assert g.is_equivalent_to(w, x.ndim), (g, w)
+  assert S.replicated_leaves(many, min_size=256) == []
+  chex.assert_trees_all_equal(jax.device_get(many), jax.device_get(one))

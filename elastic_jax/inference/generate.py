@@ -22,12 +22,13 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.masks import BudgetMasks, from_counts
 from elastic_jax.model.model import apply_cached, init_cache
 from elastic_jax.elastic.slicing import slice_params
+from elastic_jax.parallel import sharding as shd
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,17 +180,18 @@ def extend(slc: SubModel, state: DecodeState, tokens_BT, valid_BT=None, *,
   return dataclasses.replace(state, cache=cache, pending=pending, logits=logits)
 
 
-def _cache_placement(params):
-  """Where a fresh cache is committed: the params' device, or replicated over their mesh when
-  they are sharded. (Step outputs are committed, and a committed argument where the first call
-  had an uncommitted one would compile the step again.)"""
+def _cache_placement(params, cache):
+  """Where a fresh cache is committed: the params' device, or sharded over their mesh when they
+  are sharded (streams over the batch axes, heads over tensor: `sharding.cache_shardings`).
+  (Step outputs are committed, and a committed argument where the first call had an
+  uncommitted one would compile the step again.)"""
   leaf = jax.tree_util.tree_leaves(params)[0]
   if not isinstance(leaf, jax.Array):
     return jax.devices()[0]
   if len(leaf.devices()) == 1:
     return next(iter(leaf.devices()))
   if isinstance(leaf.sharding, NamedSharding):
-    return NamedSharding(leaf.sharding.mesh, PartitionSpec())
+    return shd.cache_shardings(cache, leaf.sharding.mesh)
   raise ValueError(f"params sharded with {type(leaf.sharding).__name__}; decoding needs them on "
                    "one device or as NamedShardings over a mesh")
 
@@ -205,7 +207,8 @@ def prefill(slc: SubModel, prompts: Sequence[Sequence[int]], *, max_len: int,
                      f"max_len {max_len}")
   toks, valid = left_pad(prompts, width)
   B = len(prompts)
-  cache = jax.device_put(init_cache(slc.config, B, max_len), _cache_placement(slc.params))
+  cache = init_cache(slc.config, B, max_len)
+  cache = jax.device_put(cache, _cache_placement(slc.params, cache))
   state = DecodeState(cache, np.zeros(B, np.int32), None, np.ones(B, bool))
   return extend(slc, state, toks, valid, sampler=sampler, key=key, chunk=chunk)
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.axes import AXES, normalize_counts
@@ -26,6 +27,8 @@ from elastic_jax.elastic.slicing import slice_params, sliced_config
 from elastic_jax.io import fingerprint
 from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
+from elastic_jax.parallel import sharding as shd
+from elastic_jax.parallel.rules import DEFAULT_RULES, Rules
 
 FORMAT = "elastic-jax-nested-v2"
 TOKENIZER_FILE = "tokenizer.json"   # stored inside the checkpoint folder
@@ -93,8 +96,13 @@ def save(path: str, params, config: ModelConfig, *, router=None,
   if os.path.exists(path) and not is_checkpoint(path):
     raise CheckpointError(f"refusing to replace {path}: it is not a checkpoint of ours (no "
                           f"{FORMAT!r} metadata.json); remove it yourself or pick another path")
-  tmp = f"{path}.tmp-{os.getpid()}-{time.time_ns()}"
-  os.makedirs(tmp)
+  # Every process writes its shards into the same temporary folder (named by process 0);
+  # process 0 alone writes the metadata and renames it into place.
+  tmp = f"{path}.tmp-{_shared_suffix()}"
+  primary = jax.process_index() == 0
+  if primary:
+    os.makedirs(tmp)
+  _sync(f"checkpoint.save:mkdir:{tmp}")
   try:
     state = {"params": params} if router is None else {"params": params, "router": router}
     args = jax.tree_util.tree_map(
@@ -105,7 +113,7 @@ def save(path: str, params, config: ModelConfig, *, router=None,
     # reading the rest of each leaf.
     by_budget = {b: fingerprint.fingerprints({"params": slice_params(params, config, c)[0]})
                  for b, c in budget_counts.items()}
-    if tokenizer:   # inside the checkpoint: a moved run never picks up another's tokenizer
+    if tokenizer and primary:   # inside the checkpoint: a moved run keeps its own tokenizer
       shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {"format": FORMAT, "config": config.to_dict(),
             "axes": {n: list(a.choices(config)) for n, a in AXES.items()},
@@ -115,19 +123,38 @@ def save(path: str, params, config: ModelConfig, *, router=None,
             "extra": dict(extra or {}),
             "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()},
             "fingerprints": sums, "budget_fingerprints": by_budget}
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-      json.dump(meta, f, indent=1)
-    old = None
-    if os.path.exists(path):
-      old = f"{path}.old-{time.time_ns()}"
-      os.rename(path, old)
-    os.rename(tmp, path)
-    if old:
-      shutil.rmtree(old, ignore_errors=True)
+    if primary:
+      with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+      old = None
+      if os.path.exists(path):
+        old = f"{path}.old-{time.time_ns()}"
+        os.rename(path, old)
+      os.rename(tmp, path)
+      if old:
+        shutil.rmtree(old, ignore_errors=True)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    if primary:
+      shutil.rmtree(tmp, ignore_errors=True)
     raise
+  _sync(f"checkpoint.save:done:{path}")   # no process reads `path` before it is in place
   return path
+
+
+def _shared_suffix() -> str:
+  """"<pid>-<ns>" of process 0, the same on every process (the leftover-save pattern)."""
+  here = (os.getpid(), time.time_ns())
+  if jax.process_count() == 1:
+    return f"{here[0]}-{here[1]}"
+  words = np.array([here[0], here[1] >> 32, here[1] & 0xFFFFFFFF], np.uint32)
+  pid, hi, lo = (int(w) for w in multihost_utils.broadcast_one_to_all(words))
+  return f"{pid}-{(hi << 32) | lo}"
+
+
+def _sync(name: str) -> None:
+  """A barrier across processes (nothing with one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
 def _auto_chunk_bytes(x) -> int:
@@ -208,13 +235,19 @@ def _recorded_fingerprints(meta: Mapping, config: ModelConfig, counts) -> dict |
 
 
 def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
-            expected_config: ModelConfig | None = None, sharding=None):
+            expected_config: ModelConfig | None = None, sharding=None,
+            rules: Rules = DEFAULT_RULES):
   """(params, config) of the sub-model at `budget` (a name or per-axis counts; None = full).
 
   Reads only the prefix of every array that the sub-model needs, and checks what it read
   against the fingerprints recorded at save time: the whole leaves for a full read, the named
   budget's for a sub-model (explicit counts equal to a named budget's included; other explicit
-  counts are not checked)."""
+  counts are not checked).
+
+  `sharding`: where the arrays land, read straight into it (each process reads its shards): a
+  `jax.sharding.Mesh` (every leaf on its logical-axis sharding for the sub-model's shapes, by
+  `rules`; `parallel.sharding.param_shardings`), one `Sharding` for every leaf, or a pytree of
+  shardings matching the sub-model's params. Default: the first device."""
   path = os.path.abspath(path)
   config = load_config(path)
   if expected_config is not None and expected_config != config:
@@ -246,11 +279,16 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
     if disk_shapes.get(k) != shape:
       raise CheckpointError(f"{path}: Orbax state leaf {k} has shape {disk_shapes.get(k)}, "
                             f"expected {shape}")
+  shapes = param_shapes(small)
   sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = layout(param_shapes(small))
+  if isinstance(sharding, jax.sharding.Mesh):
+    sharding = shd.param_shardings(shapes, small, sharding, rules)
+  if isinstance(sharding, jax.sharding.Sharding):
+    sharding = jax.tree_util.tree_map(lambda _: sharding, shapes)
+  abstract = layout(shapes)
   args = jax.tree_util.tree_map(
-      lambda s: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sharding,
-                                     strict=False), abstract)
+      lambda s, sh: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sh,
+                                         strict=False), abstract, layout(sharding))
   try:
     state = ckptr.restore(state_dir, item={"params": abstract}, restore_args={"params": args},
                           partial_restore=True)  # the router, if any, is restored separately

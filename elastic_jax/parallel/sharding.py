@@ -113,6 +113,27 @@ def activation_context(mesh: Mesh | None, rules: Rules = DEFAULT_RULES):
     yield
 
 
+# Logical names of the decode cache's leaves (`model.init_cache`), by leaf name: streams over
+# the batch axes, attention KV heads and Mamba heads over tensor, like the params they meet.
+CACHE_AXES = {"k": ("batch", "length", "kv_heads", None),
+              "v": ("batch", "length", "kv_heads", None),
+              "conv_x": ("batch", None, None, "mamba_heads", None),
+              "conv_B": ("batch", None, None, None), "conv_C": ("batch", None, None, None),
+              "ssm": ("batch", None, "mamba_heads", None, None),
+              "key_valid": ("batch", None), "pos": ()}
+
+
+def cache_shardings(cache, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+  """NamedShardings of a decode cache (arrays or ShapeDtypeStructs) on `mesh` (`CACHE_AXES`;
+  a dim its axes do not divide stays replicated)."""
+  def one(path, x):
+    name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
+    if name not in CACHE_AXES:
+      raise ValueError(f"decode cache leaf {jax.tree_util.keystr(path)} has no logical axes")
+    return NamedSharding(mesh, spec_for(x.shape, CACHE_AXES[name], mesh, rules))
+  return jax.tree_util.tree_map_with_path(one, cache)
+
+
 def replicated_leaves(tree, min_size: int = 1024) -> list[str]:
   """Paths of leaves with at least `min_size` elements that are not split across devices."""
   out = []
