@@ -51,6 +51,17 @@ def define_config_file(name: str, default: str, help_: str):
     _unknown_override_exit(e)
 
 
+def config_value(holder):
+  """The config of a `define_config_file` flag; a file that cannot be loaded is a user error
+  (ValueError naming the flag and the OS's reason), not ml_collections' traceback."""
+  try:
+    value = holder.value
+    value.keys()   # a failed load leaves a placeholder that raises on any attribute
+    return value
+  except OSError as e:
+    raise ValueError(f"--{holder.name}: {str(e).strip().splitlines()[-1].strip()}") from None
+
+
 def _unknown_override_exit(e: AttributeError):
   bad = unknown_config_override(str(e), sys.argv[1:])
   if bad is None or os.environ.get("ELASTIC_JAX_TRACEBACK"):

@@ -150,8 +150,29 @@ def step_flops(cfg, active_params: int, batch: int, seq_len: int) -> float:
   return tokens * (8 * active_params + 4 * attn)
 
 
+def check_flags() -> None:
+  """One-line errors for flag values the plan cannot use, before any work."""
+  from elastic_jax.elastic.params_count import BYTES_PER_ELEMENT
+  for name in ("devices", "batch", "seq_len"):
+    v = getattr(FLAGS, name)
+    if v is not None and v < 1:
+      raise ValueError(f"--{name} must be >= 1, got {v}")
+  bad = [t for t in FLAGS.context if t < 1]
+  if bad:
+    raise ValueError(f"--context must be >= 1 tokens, got {bad}")
+  if not FLAGS.device_gb > 0:
+    raise ValueError(f"--device_gb must be > 0, got {FLAGS.device_gb}")
+  bad = [f for f in FLAGS.formats if f not in BYTES_PER_ELEMENT]
+  if bad:
+    raise ValueError(f"--formats: {bad} not in {sorted(BYTES_PER_ELEMENT)}")
+  for stage in FLAGS.stages:
+    if stage not in ("1", "2"):
+      raise ValueError(f"--stages: {stage!r} not in ['1', '2']")
+
+
 def main(argv):
   del argv
+  check_flags()
   if "XLA_FLAGS" not in os.environ or "device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={FLAGS.devices}")
@@ -160,7 +181,7 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)   # jax's "no TPU backend" notices
   from elastic_jax.parallel import mesh as mesh_lib
 
-  c = _CONFIG.value
+  c = cli.config_value(_CONFIG)
   if FLAGS.inference:
     print(f"plan: serving memory on one device of {FLAGS.device_gb:g} GB (weights + KV and "
           "Mamba caches; activations not counted)", flush=True)
@@ -171,9 +192,6 @@ def main(argv):
     c.elastic.moe_impl = FLAGS.moe_impl
   L1 = FLAGS.seq_len or c.data.seq_len
   B = FLAGS.batch or c.data.batch
-  for stage in FLAGS.stages:
-    if stage not in ("1", "2"):
-      raise ValueError(f"--stages: {stage!r} not in ['1', '2']")
   meshes = []
   for spec in FLAGS.mesh:
     sizes = mesh_lib.parse_mesh(spec)

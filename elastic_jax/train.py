@@ -48,7 +48,7 @@ def main(argv):
   t_start = time.perf_counter()
   inputs = {"hf_dir": FLAGS.hf_dir and os.path.abspath(FLAGS.hf_dir),
             "data_files": [os.path.abspath(f) for f in FLAGS.data_files]}
-  run = pipeline.Run(_CONFIG.value, FLAGS.workdir, inputs, restart=FLAGS.restart)
+  run = pipeline.Run(cli.config_value(_CONFIG), FLAGS.workdir, inputs, restart=FLAGS.restart)
   cfg, hf_params = pipeline.model_config(run, FLAGS.hf_dir)
   td = pipeline.load_data(run, cfg, FLAGS.data_files)
   teacher = pipeline.nested_parent(run, cfg, td, hf_params)

@@ -110,13 +110,25 @@ def test_importance_shapes_and_streaming(cfg, params):
   np.testing.assert_allclose(ungated.moe_experts[0], np.where(
       first["count"] > 0, first["norm_sum"] / np.maximum(first["count"], 1), 0), rtol=1e-5)
   np.testing.assert_allclose(ungated.moe_ffn, s.moe_ffn)
+  sparse = compute_importance(params, cfg, batches, moe_impl="ragged")
+  for field in ("hidden", "mamba_heads", "mamba_channels", "moe_ffn", "moe_experts"):
+    np.testing.assert_allclose(getattr(sparse, field), getattr(s, field), rtol=1e-5, atol=1e-6)
 
 
-def test_reap_and_ffn_reference(cfg, params):
-  """REAP / ungated-norm / gate-weighted FFN statistics vs an explicit per-token numpy loop."""
+@pytest.mark.parametrize("impl", ["dense", "ragged"])
+def test_reap_and_ffn_reference(cfg, params, impl):
+  """REAP / ungated-norm / gate-weighted FFN statistics vs an explicit per-token numpy loop,
+  from every expert's activations (dense) or from the routed assignments alone (ragged); with
+  experts and width masked the two agree too."""
   p = jax.tree_util.tree_map(np.asarray, params["layers"][str(cfg.layer_pattern.index("E"))]["mixer"])
   x = np.random.RandomState(0).randn(2, 5, cfg.hidden_size).astype(np.float32)
-  _, aux = moe_lib.moe(p, jnp.asarray(x), cfg, collect=True)
+  out, aux = moe_lib.moe(p, jnp.asarray(x), cfg, collect=True, impl=impl)
+  np.testing.assert_allclose(out, moe_lib.moe(p, jnp.asarray(x), cfg)[0], rtol=1e-5, atol=1e-6)
+  em = (np.arange(cfg.n_routed_experts) < 5) * 0.7
+  fm = (np.arange(cfg.moe_intermediate_size) < 12).astype(np.float32)
+  masked = [moe_lib.moe(p, jnp.asarray(x), cfg, em, fm, collect=True, impl=i)[1]["stats"]
+            for i in ("dense", impl)]
+  chex.assert_trees_all_close(masked[1], masked[0], rtol=1e-5, atol=1e-6)
   st = aux["stats"]
   gates, idx = (np.asarray(a) for a in moe_lib.route(p, jnp.asarray(x.reshape(10, -1)), cfg))
   E, F = cfg.n_routed_experts, cfg.moe_intermediate_size

@@ -83,3 +83,18 @@ def test_plan_inference_table(tmp_path):
   table = plan_cli.inference_table(c, {"full": {"hidden": 96, "mamba_heads": 8, "moe_experts": 8,
                                                 "moe_ffn": 96}}, [512], ["fp8"], 0.01)
   assert table.splitlines()[-1].startswith("| full | 96, 8, 8, 96 | 924,288 | fp8 |")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--devices=0"], "--devices must be >= 1, got 0"),
+    (["--inference", "--context=-5"], "--context must be >= 1 tokens, got [-5]"),
+    (["--inference", "--formats=int3"], "--formats: ['int3'] not in "),
+    (["--inference", "--device_gb=0"], "--device_gb must be > 0, got 0.0"),
+    (["--config=/nonexistent.py"], "--config: [Errno 2] No such file or directory"),
+])
+def test_plan_cli_bad_flags_are_one_line(flags, message):
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.plan", "--config=configs/tiny.py",
+                      *flags], capture_output=True, text=True, timeout=300)
+  lines = [l for l in r.stderr.splitlines() if not l.startswith(("W", "I"))]
+  assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), \
+      r.stderr[-2000:]

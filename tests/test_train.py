@@ -186,6 +186,13 @@ def test_train_cli_user_error_is_one_line(tmp_path):
       "error: --config.data.foo: unknown config field (see configs/training.py for the fields)"
   ), r.stderr[-2000:]
   assert not (tmp_path / "run2").exists()
+  r = subprocess.run([sys.executable, "-m", "elastic_jax.train", "--config=/nonexistent/run.py",
+                      f"--workdir={tmp_path / 'run3'}"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and r.stderr.strip() == (
+      "error: --config: [Errno 2] No such file or directory: '/nonexistent/run.py'"
+  ), r.stderr[-2000:]
+  assert not (tmp_path / "run3").exists()
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -39,18 +39,21 @@ class Importance:
   num_tokens: int = 0
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _batch_stats(params, tokens, config: ModelConfig):
-  _, stats = apply(params, tokens, config=config, collect=True)
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _batch_stats(params, tokens, config: ModelConfig, moe_impl: str):
+  _, stats = apply(params, tokens, config=config, collect=True, moe_impl=moe_impl)
   return stats
 
 
-def accumulate(params, config: ModelConfig, batches: Iterable, log_every: int = 0):
-  """Sums per-layer statistics over an iterable of int token batches [B, T]."""
+def accumulate(params, config: ModelConfig, batches: Iterable, log_every: int = 0,
+               moe_impl: str = "dense"):
+  """Sums per-layer statistics over an iterable of int token batches [B, T]. `moe_impl`: the
+  MoE dispatch; any but "dense" collects the expert statistics from the routed assignments
+  alone (no [tokens, experts, FFN] activations: the way at scale)."""
   total, n_tokens, t0 = None, 0, time.perf_counter()
   for i, tokens in enumerate(batches):
     tokens = jnp.asarray(tokens)
-    stats = _batch_stats(params, tokens, config)
+    stats = _batch_stats(params, tokens, config, moe_impl)
     total = stats if total is None else jax.tree_util.tree_map(jnp.add, total, stats)
     n_tokens += int(tokens.size)
     if log_every and (i + 1) % log_every == 0:
@@ -86,9 +89,11 @@ def scores_from_stats(stats, config: ModelConfig, n_tokens: int = 0, expert_scor
 
 
 def compute_importance(params, config: ModelConfig, batches: Iterable, expert_score: str = "reap",
-                       mamba_top_channels: int | None = None, log_every: int = 0) -> Importance:
-  """Runs calibration batches and returns `Importance` scores for every elastic axis."""
+                       mamba_top_channels: int | None = None, log_every: int = 0,
+                       moe_impl: str = "dense") -> Importance:
+  """Runs calibration batches and returns `Importance` scores for every elastic axis
+  (`moe_impl` as in `accumulate`)."""
   if not config.is_homogeneous:
     raise ValueError("importance is computed on a homogeneous parent, not a per-layer slice")
-  stats, n = accumulate(params, config, batches, log_every)
+  stats, n = accumulate(params, config, batches, log_every, moe_impl)
   return scores_from_stats(stats, config, n, expert_score, mamba_top_channels)

@@ -111,7 +111,8 @@ _EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _exper
 def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
         impl: str = "dense", collect: bool = False):
   """MoE forward on params `p`: (out [B,T,D], aux). aux["stats"]: with `collect`, calibration
-  statistics (dense path): ffn [F] = sum_b (mean over routed (t, e) of |g * relu^2 act|)^2, the
+  statistics (impl "dense": from every expert's activations; any other impl: from the T*k
+  routed assignments only, the same values without [T, E, F] temporaries): ffn [F] = sum_b (mean over routed (t, e) of |g * relu^2 act|)^2, the
   gate-weighted down-projection input as ModelOpt reads it; per expert sums over routed tokens
   of g * ||E(x)|| (REAP), of ||E(x)|| (ungated) and the routed-token count; else None.
   aux["state"] is always None (the MoE keeps no decode state)."""
@@ -126,7 +127,18 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     expert_mask_E = None if expert_mask_E is None else expert_mask_E[..., perm]
   gates, idx = route(p, x_TD, c, expert_mask_E)
   stats = None
-  if collect:
+  if collect and impl != "dense":
+    # The same statistics from the routed assignments alone: no [T, E, F] activations.
+    a = moe_parallel.assignments(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_)
+    routed = moe_parallel.combine(a, x_TD, dt_)
+    E, k = p["up"].shape[0], c.num_experts_per_tok
+    ga = jnp.abs(a["act"].astype(jnp.float32) * a["gate"][:, None])
+    per_b = jax.ops.segment_sum(ga, a["token"] // T, num_segments=B) / (T * k)
+    norm = jnp.linalg.norm(a["y"].astype(jnp.float32), axis=-1)
+    by_expert = lambda v: jax.ops.segment_sum(v, a["expert"], num_segments=E + 1)[:E]
+    stats = {"ffn": jnp.sum(jnp.square(per_b), 0), "reap_sum": by_expert(a["gate"] * norm),
+             "norm_sum": by_expert(norm), "count": by_expert(jnp.ones_like(norm))}
+  elif collect:
     routed, act, y = _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=True)
     E = p["up"].shape[0]
     hit_TE = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=1)
@@ -138,11 +150,11 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0),
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
              "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0)}
-    if placed:  # per-expert statistics back in logical order
-      inv = np.argsort(perm)
-      stats = {k: v if k == "ffn" else v[inv] for k, v in stats.items()}
   else:
     routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_)
+  if stats is not None and placed:  # per-expert statistics back in logical order
+    inv = np.argsort(perm)
+    stats = {name: v if name == "ffn" else v[inv] for name, v in stats.items()}
   shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)
   out = (routed + shared).reshape(B, T, D)
   return out, {"stats": stats, "state": None}

@@ -32,24 +32,39 @@ def expert_mesh():
   return mesh
 
 
-def local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0):
-  """sum_k gate * expert(x) over the assignments (t, k) whose expert lies in this shard's
-  [first, first + E_local); the rest contribute 0. Dropless, static shapes."""
+def assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0):
+  """The T*k (token, expert) assignments sorted by expert, each through its expert with grouped
+  matmuls (`ragged_dot`): {"token": [T*k] token index, "expert": [T*k] local expert (E_local
+  for assignments outside this shard's [first, first + E_local), sorted last), "gate": [T*k]
+  (0 outside the shard), "act": [T*k, F] relu^2 of the up projection (FFN mask applied), "y":
+  [T*k, D] the expert's output, not yet gated}. Dropless, static shapes."""
   T, k = idx.shape
   E = up.shape[0]
   flat = idx.reshape(-1) - first
   mine = (flat >= 0) & (flat < E)
   group = jnp.where(mine, flat, E)               # others sort last, past every group
   order = jnp.argsort(group, stable=True)
-  token_of = order // k
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
+  token_of = order // k
   h = jax.lax.ragged_dot(x_TD[token_of], up.astype(dt_), group_sizes)
   if ffn_mask_F is not None:
     h = h * ffn_mask_F.astype(dt_)
-  y = jax.lax.ragged_dot(jnp.square(jax.nn.relu(h)), down.astype(dt_), group_sizes)
-  g = jnp.where(mine, gates.reshape(-1), 0.0)[order]
-  y = y * g[:, None].astype(dt_)
-  return jnp.zeros_like(x_TD).at[token_of].add(y)
+  act = jnp.square(jax.nn.relu(h))
+  return {"token": token_of, "expert": group[order],
+          "gate": jnp.where(mine, gates.reshape(-1), 0.0)[order], "act": act,
+          "y": jax.lax.ragged_dot(act, down.astype(dt_), group_sizes)}
+
+
+def combine(a: dict, x_TD, dt_):
+  """sum over each token's assignments of gate * expert output (`assignments`)."""
+  y = a["y"] * a["gate"][:, None].astype(dt_)
+  return jnp.zeros_like(x_TD).at[a["token"]].add(y)
+
+
+def local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0):
+  """sum_k gate * expert(x) over the assignments (t, k) whose expert lies in this shard's
+  [first, first + E_local); the rest contribute 0. Dropless, static shapes."""
+  return combine(assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first), x_TD, dt_)
 
 
 def _batch_axes() -> tuple[str, ...]:

@@ -243,7 +243,8 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
                              lm_chunk=c.pretrain.lm_chunk)
   calib_it = td.iterator(L1, B, rng.seed_for(c.seed, "calib_data"))
   calib = [next(calib_it)[:, :-1] for _ in range(c.elastic.calib_batches)]
-  teacher = nest(params, cfg, compute_importance(params, cfg, calib))
+  # The elastic phase's MoE dispatch: any sparse one collects from the routed tokens alone.
+  teacher = nest(params, cfg, compute_importance(params, cfg, calib, moe_impl=c.elastic.moe_impl))
   checkpoint.save(path, teacher, cfg, tokenizer=run.tokenizer_path, overwrite=True)
   print(f"parent: ranked and nested, saved to {path}", flush=True)
   return teacher
