@@ -72,18 +72,20 @@ def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
 
 def test_corrupt_chunk_never_loads_silently(cfg, params, tmp_path):
   """A stored chunk replaced by another valid one (decodes fine, wrong values): the full restore
-  and a named budget's prefix restore (which reads only part of each leaf) name the leaf
-  instead of returning the wrong weights."""
+  and every sub-model restore (which reads only a prefix box of each leaf: a named budget,
+  other counts, per-layer counts) name the leaf instead of returning the wrong weights."""
   name = cfg.budget_names[-1]
   counts = {n: a.choices(cfg)[-1] for n, a in AXES.items()}
   path = checkpoint.save(str(tmp_path / "c"), params, cfg, chunk_byte_size=1024,
                          budget_counts={name: counts})
-  checkpoint.restore(path)   # intact: fingerprints match
-  checkpoint.restore(path, name)
+  other = {n: a.choices(cfg)[1] for n, a in AXES.items()}   # counts of no named budget
+  per_layer = dict(other, moe_experts=tuple(AXES["moe_experts"].choices(cfg)[:2]))
+  for budget in (None, name, other, per_layer):   # intact: fingerprints match
+    checkpoint.restore(path, budget)
   chunks = tmp_path / "c" / "state" / "params.embed"
   a, b = sorted(f for f in os.listdir(chunks) if not f.startswith("."))[:2]
   shutil.copyfile(chunks / b, chunks / a)
-  for budget in (None, name, dict(counts)):   # explicit counts equal to the named budget's too
+  for budget in (None, name, dict(counts), other, per_layer):
     with pytest.raises(CheckpointError, match=r"leaf \['params'\]\['embed'\] does not match "
                                               r"the fingerprint recorded when it was saved"):
       checkpoint.restore(path, budget)

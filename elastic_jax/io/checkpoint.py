@@ -9,6 +9,7 @@ Saves are atomic: everything is written to a temporary sibling directory, then r
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.axes import AXES, normalize_counts
-from elastic_jax.elastic.slicing import slice_params, sliced_config
+from elastic_jax.elastic.slicing import sliced_config
 from elastic_jax.io import fingerprint
 from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
@@ -109,10 +110,11 @@ def save(path: str, params, config: ModelConfig, *, router=None,
         lambda x: ocp.SaveArgs(chunk_byte_size=chunk_byte_size or _auto_chunk_bytes(x)), state)
     _checkpointer().save(os.path.join(tmp, "state"), state, save_args=args)
     sums = fingerprint.fingerprints(state)
-    # Per named budget, of the prefix a sub-model restore reads: it is checked without
-    # reading the rest of each leaf.
-    by_budget = {b: fingerprint.fingerprints({"params": slice_params(params, config, c)[0]})
-                 for b, c in budget_counts.items()}
+    # Of every prefix box a sub-model restore can read (any counts among the choices, per
+    # layer too): it is checked without reading the rest of each leaf.
+    flat = {jax.tree_util.keystr(k): x for k, x in
+            jax.tree_util.tree_flatten_with_path({"params": params})[0]}
+    boxes = fingerprint.box_fingerprints(flat, prefix_boxes(config))
     if tokenizer and primary:   # inside the checkpoint: a moved run keeps its own tokenizer
       shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {"format": FORMAT, "config": config.to_dict(),
@@ -122,7 +124,7 @@ def save(path: str, params, config: ModelConfig, *, router=None,
             "has_router": router is not None, "tokenizer": TOKENIZER_FILE if tokenizer else None,
             "extra": dict(extra or {}),
             "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()},
-            "fingerprints": sums, "budget_fingerprints": by_budget}
+            "fingerprints": sums, "box_fingerprints": boxes}
     if primary:
       with open(os.path.join(tmp, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -222,16 +224,37 @@ def resolve_counts(path: str, budget: str | Mapping[str, Any] | None) -> dict | 
   return table[budget]
 
 
-def _recorded_fingerprints(meta: Mapping, config: ModelConfig, counts) -> dict | None:
-  """The fingerprints a restore at `counts` can be checked against: the whole leaves' for a
-  full read, a named budget's (same counts) for a sub-model; None for other counts."""
-  if counts is None:
-    return meta.get("fingerprints")
-  want = normalize_counts(config, counts)
-  for name, stored in meta.get("budget_counts", {}).items():
-    if name in meta.get("budget_fingerprints", {}) and normalize_counts(config, stored) == want:
-      return meta["budget_fingerprints"][name]
-  return None
+def prefix_boxes(config: ModelConfig) -> dict[str, list[tuple[int, ...]]]:
+  """{leaf path (as `fingerprint.fingerprints` names it): every prefix shape a sub-model restore
+  can read from it}: per dim, the sizes of the axis that touches it (`AXES` uses; each choice's
+  `dim_size`), else the full size; all their combinations."""
+  shapes = {tuple(k.key for k in path): x.shape for path, x in
+            jax.tree_util.tree_flatten_with_path({"params": param_shapes(config)})[0]}
+  options = {path: [{n} for n in shape] for path, shape in shapes.items()}
+  for axis in AXES.values():
+    sizes = {int(axis.dim_size(c, config)) for c in axis.choices(config)}
+    for use in axis.uses:
+      if use.kind == "global":
+        paths = [("params",) + use.path]
+      else:
+        paths = [("params", "layers", str(i)) + use.path
+                 for i, kind in enumerate(config.layer_pattern) if use.kind in (kind, "all")]
+      for path in paths:   # a sliced model's config may list choices above its own size
+        options[path][use.dim] |= {n for n in sizes if n <= shapes[path][use.dim]}
+  return {"".join(f"[{k!r}]" for k in path): sorted(itertools.product(*map(sorted, opts)))
+          for path, opts in options.items()}
+
+
+def _box_mismatches(params, recorded: Mapping) -> list[str]:
+  """Leaves of a restored sub-model whose prefix-box fingerprint differs from the one recorded
+  for that box of the stored leaf."""
+  bad = []
+  for path, x in jax.tree_util.tree_flatten_with_path({"params": params})[0]:
+    key = jax.tree_util.keystr(path)
+    want = (recorded.get(key) or {}).get(",".join(map(str, x.shape)))
+    if want is not None and fingerprint.box_fingerprint(x) != list(want):
+      bad.append(key)
+  return bad
 
 
 def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
@@ -240,9 +263,9 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
   """(params, config) of the sub-model at `budget` (a name or per-axis counts; None = full).
 
   Reads only the prefix of every array that the sub-model needs, and checks what it read
-  against the fingerprints recorded at save time: the whole leaves for a full read, the named
-  budget's for a sub-model (explicit counts equal to a named budget's included; other explicit
-  counts are not checked).
+  against the fingerprints recorded at save time: the whole leaves' for a full read, and for a
+  sub-model (a named budget or any counts among the choices, per layer too) each leaf's
+  prefix box (`prefix_boxes`, `fingerprint.box_fingerprints`).
 
   `sharding`: where the arrays land, read straight into it (each process reads its shards): a
   `jax.sharding.Mesh` (every leaf on its logical-axis sharding for the sub-model's shapes, by
@@ -294,13 +317,14 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
                           partial_restore=True)  # the router, if any, is restored separately
   except Exception as e:
     raise CheckpointError(f"{path}: restore failed ({type(e).__name__}: {e})") from None
-  recorded = _recorded_fingerprints(meta, config, counts)
-  if recorded:
-    bad = fingerprint.mismatches({"params": state["params"]}, recorded)
-    if bad:
-      more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-      raise CheckpointError(f"{path}: leaf {bad[0]}{more} does not match the fingerprint "
-                            f"recorded when it was saved: corrupt files under {state_dir}")
+  if counts is None:   # a full read: the whole leaves' fingerprints
+    bad = fingerprint.mismatches({"params": state["params"]}, meta.get("fingerprints") or {})
+  else:                # a sub-model: each leaf's prefix box
+    bad = [] if legacy else _box_mismatches(state["params"], meta.get("box_fingerprints") or {})
+  if bad:
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise CheckpointError(f"{path}: leaf {bad[0]}{more} does not match the fingerprint "
+                          f"recorded when it was saved: corrupt files under {state_dir}")
   params = layouts.from_legacy(state["params"]) if legacy else state["params"]
   _check_params(params, small, "restore")
   return params, small
