@@ -78,13 +78,10 @@ def inference_table(run_config, counts: dict, contexts, formats, device_gb: floa
     shown = ", ".join(str(v) for v in c.values())
     total = count_params(cfg, c).total
     for fmt in formats:
-      cells = []
-      for t in contexts:
-        m = measures.serving_memory(cfg, c, fmt, t, device_gb * 1e9)
-        cells.append(f"{m['per_sequence'] / 1e9:.3f} | {m['max_batch']:,}")
-      w = measures.serving_memory(cfg, c, fmt, contexts[0], device_gb * 1e9)["weights"]
-      lines.append(f"| {name} | {shown} | {total:,} | {fmt} | {w / 1e9:.2f} | "
-                   f"{' | '.join(cells)} |")
+      ms = [measures.serving_memory(cfg, c, fmt, t, device_gb * 1e9) for t in contexts]
+      cells = " | ".join(f"{m['per_sequence'] / 1e9:.3f} | {m['max_batch']:,}" for m in ms)
+      lines.append(f"| {name} | {shown} | {total:,} | {fmt} | {ms[0]['weights'] / 1e9:.2f} | "
+                   f"{cells} |")
   return "\n".join(lines)
 
 

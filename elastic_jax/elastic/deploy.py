@@ -147,17 +147,25 @@ def band_table(config: ModelConfig, rc: router_lib.RouterConfig) -> tuple[np.nda
   computed once per run, a constant of the compiled step. A budget with no architecture in
   band is refused (as `check_feasible`)."""
   combos = combinations(config, rc)
-  rows = []
-  for name in config.budget_names:
-    targets = config.budget_targets(name)
-    if all(f >= 1.0 for f in targets.values()):
-      rows.append(np.ones(len(combos), bool))
-      continue
-    errs = relative_errors(config, rc, combos, targets)
-    rows.append(np.all(errs <= rc.band + 1e-9, axis=1))
-    if not rows[-1].any():
-      raise _infeasible(name, targets, errs, config, rc, combos)
-  return combos, np.stack(rows)
+  return combos, np.stack([_in_band(config, rc, combos, name) for name in config.budget_names])
+
+
+def _is_full(config: ModelConfig, budget: str) -> bool:
+  return all(f >= 1.0 for f in config.budget_targets(budget).values())
+
+
+def _in_band(config: ModelConfig, rc: router_lib.RouterConfig, combos: np.ndarray,
+             budget: str) -> np.ndarray:
+  """[n] bools: the combinations inside every target band of `budget` (all for the full
+  budget); ValueError naming the closest when there is none."""
+  if _is_full(config, budget):
+    return np.ones(len(combos), bool)
+  targets = config.budget_targets(budget)
+  errs = relative_errors(config, rc, combos, targets)
+  ok = np.all(errs <= rc.band + 1e-9, axis=1)
+  if not ok.any():
+    raise _infeasible(budget, targets, errs, config, rc, combos)
+  return ok
 
 
 def log_probs(logits: Mapping, config: ModelConfig, rc: router_lib.RouterConfig,
@@ -184,14 +192,10 @@ def deployed_counts(router_params: dict, config: ModelConfig, rc: router_lib.Rou
                     budget: str) -> dict:
   """Counts of the router's highest-scoring architecture inside every target band of `budget`
   (the full budget, every target 1: the parent itself)."""
-  targets = config.budget_targets(budget)
-  if all(f >= 1.0 for f in targets.values()):
+  if _is_full(config, budget):
     return {name: AXES[name].full(config) for name in AXES}
   combos = combinations(config, rc)
-  errs = relative_errors(config, rc, combos, targets)
-  ok = np.all(errs <= rc.band + 1e-9, axis=1)
-  if not ok.any():
-    raise _infeasible(budget, targets, errs, config, rc, combos)
+  ok = _in_band(config, rc, combos, budget)
   lg = router_lib.logits(router_params, router_lib.budget_onehot(config, budget), config, rc)
   score = np.where(ok, np.asarray(log_probs(lg, config, rc, jnp.asarray(combos))), -np.inf)
   return _to_counts(config, rc, combos[int(np.argmax(score))])

@@ -20,12 +20,7 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
 def _leaf(x):
-  x = jnp.asarray(x)
-  size = x.dtype.itemsize
-  if size == 8:   # 64-bit: two uint32 words per element
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  else:
-    bits = jax.lax.bitcast_convert_type(x, _UINT[size]).astype(jnp.uint32)
+  bits = _bits(x, jnp)
   # The flat position mod 2^32, built from per-dim iotas (a leaf may hold > 2^32 elements;
   # no flat copy, so a sharded leaf stays sharded).
   i = jnp.zeros(bits.shape, jnp.uint32)
@@ -66,7 +61,7 @@ def _bits(x, xp):
             x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32))
   x = jnp.asarray(x)
   size = x.dtype.itemsize
-  if size == 8:
+  if size == 8:   # 64-bit: two uint32 words per element
     return jax.lax.bitcast_convert_type(x, jnp.uint32)
   return jax.lax.bitcast_convert_type(x, _UINT[size]).astype(jnp.uint32)
 
