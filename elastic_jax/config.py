@@ -19,11 +19,18 @@ EXPERT_PLACEMENTS = ("contiguous", "balanced")
 CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
                  "mamba_heads": ("mamba_head_choices", "mamba_num_heads"),
                  "moe_experts": ("expert_choices", "n_routed_experts"),
-                 "moe_ffn": ("moe_ffn_choices", "moe_intermediate_size")}
+                 "moe_ffn": ("moe_ffn_choices", "moe_intermediate_size"),
+                 "attention_heads": ("attention_head_choices", "num_attention_heads"),
+                 "mamba_head_dim": ("mamba_head_dim_choices", "mamba_head_dim"),
+                 "depth": ("depth_choices", "num_layers")}
+# The axes beyond the paper: with one choice (the full size) their field holds ().
+OPTIONAL_CHOICE_FIELDS = ("attention_head_choices", "mamba_head_dim_choices", "depth_choices")
 # Per-layer axes: axis name -> per-layer size field, and the layer kind each one sizes.
 PER_LAYER_FIELDS = {"mamba_heads": "mamba_heads_per_layer", "moe_experts": "experts_per_layer",
-                    "moe_ffn": "moe_ffn_per_layer"}
-PER_LAYER_KINDS = {"mamba_heads": "M", "moe_experts": "E", "moe_ffn": "E"}
+                    "moe_ffn": "moe_ffn_per_layer", "attention_heads": "attention_heads_per_layer",
+                    "mamba_head_dim": "mamba_head_dim_per_layer"}
+PER_LAYER_KINDS = {"mamba_heads": "M", "moe_experts": "E", "moe_ffn": "E", "attention_heads": "*",
+                   "mamba_head_dim": "M"}
 # What a budget can target, each as a fraction of the parent's value (elastic/measures.py):
 # active / total parameters, inference memory bytes, request latency (an analytic cost model).
 BUDGET_MEASURES = ("active", "total", "memory", "latency")
@@ -114,20 +121,38 @@ class ModelConfig:
   mamba_head_choices: tuple[int, ...] = ()
   expert_choices: tuple[int, ...] = ()
   moe_ffn_choices: tuple[int, ...] = ()
+  # Axes beyond the paper (Nemotron Elastic / Flextron): query heads per attention layer (the
+  # same number kept in each KV group, so a multiple of `num_kv_heads`) and channels per Mamba
+  # head. Inert by default: full size only, stored as () (as depth's below).
+  attention_head_choices: tuple[int, ...] = ()
+  mamba_head_dim_choices: tuple[int, ...] = ()
+  # Depth: how many layers a budget keeps (the first choice is all of them), which ones by
+  # `depth_order`: layer indices, most important first (set by nesting from the loss increase
+  # when each layer is dropped); () = the pattern's order. Keeping n layers keeps
+  # depth_order[:n], in the pattern's order.
+  depth_choices: tuple[int, ...] = ()
+  depth_order: tuple[int, ...] = ()
   budgets: tuple[tuple[str, Any], ...] = (("full", 1.0),)
   # Heterogeneous (sliced per-layer) models: one size per layer of that kind; () = homogeneous.
   # The homogeneous fields above then hold the largest per-layer size.
   mamba_heads_per_layer: tuple[int, ...] = ()
   experts_per_layer: tuple[int, ...] = ()
   moe_ffn_per_layer: tuple[int, ...] = ()
+  attention_heads_per_layer: tuple[int, ...] = ()
+  mamba_head_dim_per_layer: tuple[int, ...] = ()
 
   def __post_init__(self):
     # Fill empty choice lists with the full size, then validate everything.
     for name, size_field in CHOICE_FIELDS.values():
       value = tuple(int(v) for v in getattr(self, name)) or (getattr(self, size_field),)
+      if name in OPTIONAL_CHOICE_FIELDS and len(value) == 1:
+        # Full size only: kept as () so that a config made by `replace(num_attention_heads=...,
+        # layer_pattern=...)` (or an HF parent's shapes) carries no stale full size.
+        value = ()
       object.__setattr__(self, name, value)
     for name in PER_LAYER_FIELDS.values():
       object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+    object.__setattr__(self, "depth_order", tuple(int(v) for v in self.depth_order))
     object.__setattr__(self, "time_step_limit", tuple(float(v) for v in self.time_step_limit))
     object.__setattr__(self, "budgets", tuple((str(n), _targets(n, t)) for n, t in self.budgets))
     self._validate()
@@ -140,6 +165,20 @@ class ModelConfig:
   def layers_of(self, kind: str) -> tuple[int, ...]:
     """Indices of the layers whose pattern char is `kind` ('M', '*', 'E', '-')."""
     return tuple(i for i, c in enumerate(self.layer_pattern) if c == kind)
+
+  @property
+  def layer_ranks(self) -> tuple[int, ...]:
+    """Each layer's position in `depth_order` (0 = most important): keeping n layers keeps
+    those of rank < n."""
+    order = self.depth_order or tuple(range(self.num_layers))
+    ranks = [0] * self.num_layers
+    for r, layer in enumerate(order):
+      ranks[layer] = r
+    return tuple(ranks)
+
+  def kept_layers(self, depth: int) -> tuple[int, ...]:
+    """The layers (ascending) a budget keeping `depth` of them keeps."""
+    return tuple(i for i, r in enumerate(self.layer_ranks) if r < depth)
 
   @property
   def mamba_heads_per_group(self) -> int:
@@ -207,8 +246,7 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(known)}")
     d = dict(d)
-    for k in ("hidden_choices", "mamba_head_choices", "expert_choices", "moe_ffn_choices",
-              "time_step_limit"):
+    for k in [f for f, _ in CHOICE_FIELDS.values()] + ["time_step_limit", "depth_order"]:
       if k in d:
         d[k] = tuple(d[k])
     for k in PER_LAYER_FIELDS.values():
@@ -271,6 +309,12 @@ class ModelConfig:
     bad = [h for h in self.mamba_heads_per_layer if h % self.mamba_n_groups]
     if bad:
       err("mamba_heads_per_layer", f"{bad} are not multiples of mamba_n_groups")
+    if self.depth_order and sorted(self.depth_order) != list(range(self.num_layers)):
+      err("depth_order", f"must list every layer index 0..{self.num_layers - 1} once, got "
+          f"{self.depth_order}")
+    bad = [h for h in self.attention_heads_per_layer if h % self.num_kv_heads]
+    if bad:
+      err("attention_heads_per_layer", f"{bad} are not multiples of num_kv_heads")
     bad = [e for e in self.experts_per_layer if e < self.num_experts_per_tok]
     if bad:
       err("experts_per_layer", f"{bad} are below num_experts_per_tok")
@@ -287,7 +331,8 @@ class ModelConfig:
 
   def _validate_choices(self, err):
     for field, size_field in CHOICE_FIELDS.values():
-      ch, full = getattr(self, field), getattr(self, size_field)
+      full = getattr(self, size_field)
+      ch = getattr(self, field) or (full,)
       if ch[0] != full:
         err(field, f"first choice must be the full size {full}, got {ch}")
       if any(c <= 0 for c in ch) or list(ch) != sorted(set(ch), reverse=True):
@@ -295,6 +340,9 @@ class ModelConfig:
     bad = [c for c in self.mamba_head_choices if c % self.mamba_n_groups]
     if bad:
       err("mamba_head_choices", f"{bad} are not multiples of mamba_n_groups={self.mamba_n_groups}")
+    bad = [c for c in self.attention_head_choices if c % self.num_kv_heads]
+    if bad:
+      err("attention_head_choices", f"{bad} are not multiples of num_kv_heads={self.num_kv_heads}")
     bad = [c for c in self.expert_choices if c < self.num_experts_per_tok]
     if bad:
       err("expert_choices", f"{bad} are below num_experts_per_tok={self.num_experts_per_tok}")

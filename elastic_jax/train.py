@@ -51,7 +51,7 @@ def main(argv):
   run = pipeline.Run(cli.config_value(_CONFIG), FLAGS.workdir, inputs, restart=FLAGS.restart)
   cfg, hf_params = pipeline.model_config(run, FLAGS.hf_dir)
   td = pipeline.load_data(run, cfg, FLAGS.data_files)
-  teacher = pipeline.nested_parent(run, cfg, td, hf_params)
+  teacher, cfg = pipeline.nested_parent(run, cfg, td, hf_params)
   family = pipeline.elastic_family(run, cfg, teacher, td)
   ev = run.config.eval
   rows = evaluate.report(family.params, cfg, family.budget_counts, td.val, td.tokenizer,

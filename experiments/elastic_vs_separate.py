@@ -66,7 +66,7 @@ def main(argv):
   run = pipeline.Run(config, FLAGS.workdir)
   cfg, _ = pipeline.model_config(run)
   td = pipeline.load_data(run, cfg)
-  teacher = pipeline.nested_parent(run, cfg, td)
+  teacher, cfg = pipeline.nested_parent(run, cfg, td)
   family = pipeline.elastic_family(run, cfg, teacher, td)
   examples = pipeline.held_out(run)
   ev, L1, B = config.eval, run.seq_lens[0], config.data.batch

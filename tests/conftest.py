@@ -48,9 +48,20 @@ def perturb(params, key):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+# The same shapes with the axes beyond the paper elastic too (query heads per KV group, Mamba
+# head-dim channels, depth): `params` serve both.
+CFG_X = CFG.replace(attention_head_choices=(4, 2), mamba_head_dim_choices=(4, 3, 2),
+                    depth_choices=(6, 5, 4))
+
+
 @pytest.fixture(scope="session")
 def cfg():
   return CFG
+
+
+@pytest.fixture(scope="session")
+def cfg_x():
+  return CFG_X
 
 
 @pytest.fixture(scope="session")

@@ -105,13 +105,14 @@ def test_mamba_chunked_equals_sequential(cfg, params):
 
 
 def test_attention_reference(cfg, params):
-  """GQA NoPE attention vs an explicit per-head numpy loop."""
+  """GQA NoPE attention vs an explicit per-head numpy loop (query head h reads KV head
+  h % num_kv_heads: heads are stored KV-group-minor)."""
   p = jax.tree_util.tree_map(np.asarray, _layer(params, cfg, "*"))
   x = np.random.RandomState(3).randn(1, 6, cfg.hidden_size).astype(np.float32)
-  rep = cfg.num_attention_heads // cfg.num_kv_heads
+  G = cfg.num_kv_heads
   out = np.zeros((6, cfg.num_attention_heads, cfg.head_dim), np.float32)
   for h in range(cfg.num_attention_heads):
-    q, k, v = x[0] @ p["q"][:, h], x[0] @ p["k"][:, h // rep], x[0] @ p["v"][:, h // rep]
+    q, k, v = x[0] @ p["q"][:, h], x[0] @ p["k"][:, h % G], x[0] @ p["v"][:, h % G]
     s = q @ k.T / np.sqrt(cfg.head_dim) + np.triu(np.full((6, 6), -np.inf), 1)
     a = np.exp(s - s.max(-1, keepdims=True))
     out[:, h] = (a / a.sum(-1, keepdims=True)) @ v

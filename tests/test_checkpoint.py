@@ -50,6 +50,29 @@ def test_sub_model_restore_reads_prefix_only(cfg, params, tokens, ckpt):
   assert (b2 - b1) < 0.6 * (b1 - b0), (b2 - b1, b1 - b0)
 
 
+def test_depth_restore_reads_only_the_kept_layers(cfg_x, params, tokens, tmp_path):
+  """A depth budget restores the layers it keeps (stored under their parent indices), renamed
+  in order, each checked against its recorded prefix-box fingerprint; = slicing the parent."""
+  from elastic_jax.elastic.slicing import slice_params
+  cfg = cfg_x.replace(depth_order=(0, 2, 1, 4, 5, 3))
+  path = str(tmp_path / "deep")
+  counts = {"depth": 4, "hidden": 24, "attention_heads": 2, "mamba_head_dim": (3, 4)}
+  checkpoint.save(path, params, cfg, budget_counts={"small": counts})
+  b0 = checkpoint.bytes_read()
+  sub, sub_cfg = checkpoint.restore(path, "small")
+  b1 = checkpoint.bytes_read()
+  checkpoint.restore(path, {**counts, "depth": 6})
+  b2 = checkpoint.bytes_read()
+  want, want_cfg = slice_params(params, cfg, counts)
+  assert sub_cfg == want_cfg and sub_cfg.layer_pattern == "M*EM"
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, sub),
+                              jax.tree_util.tree_map(np.asarray, want))
+  # The two dropped layers (the MLP and the last MoE layer) are not read.
+  assert (b1 - b0) < 0.8 * (b2 - b1), (b1 - b0, b2 - b1)
+  masked = apply(params, tokens, from_counts(cfg, counts), config=cfg)
+  np.testing.assert_allclose(apply(sub, tokens, config=sub_cfg), masked, rtol=1e-5, atol=1e-5)
+
+
 def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
   with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
     checkpoint.save(ckpt, params, cfg)
@@ -70,10 +93,12 @@ def test_save_is_atomic_and_refuses_overwrite(cfg, params, ckpt, tmp_path):
   assert (user / "chapter1.tex").read_text() == "precious"
 
 
-def test_corrupt_chunk_never_loads_silently(cfg, params, tmp_path):
+def test_corrupt_chunk_never_loads_silently(cfg_x, params, tmp_path):
   """A stored chunk replaced by another valid one (decodes fine, wrong values): the full restore
   and every sub-model restore (which reads only a prefix box of each leaf: a named budget,
-  other counts, per-layer counts) name the leaf instead of returning the wrong weights."""
+  other counts, per-layer counts; every axis elastic, depth included) name the leaf instead of
+  returning the wrong weights."""
+  cfg = cfg_x
   name = cfg.budget_names[-1]
   counts = {n: a.choices(cfg)[-1] for n, a in AXES.items()}
   path = checkpoint.save(str(tmp_path / "c"), params, cfg, chunk_byte_size=1024,

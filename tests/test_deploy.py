@@ -54,6 +54,21 @@ def test_deployed_is_the_best_choice_in_band(cfg, per_layer):
     assert set(err) == {"active", "total"} and max(map(abs, err.values())) <= rc.band
 
 
+def test_deployed_with_the_axes_beyond_the_paper(cfg_x):
+  """Query heads, head-dim channels and depth enumerate and measure like the other axes (the
+  vectorised measures against itertools + the exact counter)."""
+  c = cfg_x.replace(hidden_choices=(32,), mamba_head_choices=(8, 4), moe_ffn_choices=(16,),
+                    depth_order=(0, 2, 1, 4, 5, 3),
+                    budgets=(("full", 1.0), ("mid", {"active": 0.8, "total": 0.75}),
+                             ("small", 0.55)))
+  rc = R.RouterConfig(hidden=8)
+  deploy.check_feasible(c, rc)
+  for seed in range(2):
+    rp = R.init(c, rc, jax.random.PRNGKey(seed))
+    for b in ("mid", "small"):
+      assert deploy.deployed_counts(rp, c, rc, b) == _reference(rp, c, rc, b), (seed, b)
+
+
 def test_infeasible_budget_is_refused_naming_the_closest(cfg):
   c = cfg.replace(budgets=(("full", 1.0), ("tiny", {"active": 0.5, "total": 0.05})))
   rc = R.RouterConfig(hidden=8)

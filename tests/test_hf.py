@@ -86,6 +86,32 @@ def test_export_loads_in_transformers(cfg, params, tokens, tmp_path):
                               jax.tree_util.tree_map(np.asarray, params))
 
 
+def test_sliced_query_heads_and_head_dim_export(cfg_x, params, tokens, tmp_path):
+  """A slice with fewer query heads per KV group, fewer Mamba head-dim channels and fewer layers
+  is a Nemotron-H (num_attention_heads, mamba_head_dim, a shorter hybrid_override_pattern):
+  transformers computes the masked parent's logits. Per-layer sizes are not expressible in HF's
+  config: a clear error."""
+  from elastic_jax import from_counts
+  from elastic_jax.elastic.slicing import slice_params
+
+  c = cfg_x.replace(**_overrides(cfg_x))
+  c = c.replace(depth_order=(0, 1, 2, 4, 5, 3))
+  counts = {"attention_heads": 2, "mamba_head_dim": 3, "mamba_heads": 6, "depth": 5}
+  small, small_cfg = slice_params(params, c, counts)
+  hf.save_pretrained(str(tmp_path / "hf"), small, small_cfg)
+  written = json.load(open(tmp_path / "hf" / "config.json"))
+  assert (written["num_attention_heads"], written["mamba_head_dim"]) == (2, 3)
+  assert written["hybrid_override_pattern"] == "M*EME"   # the '-' layer ranked last, dropped
+  model = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+  with torch.no_grad():
+    ref = model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  np.testing.assert_allclose(ref, apply(params, tokens, from_counts(c, counts), config=c),
+                             rtol=1e-4, atol=1e-4)
+  uneven, uneven_cfg = slice_params(params, c, {"mamba_head_dim": (4, 2)})
+  with pytest.raises(hf.HFFormatError, match="per-layer sizes"):
+    hf.save_pretrained(str(tmp_path / "hf2"), uneven, uneven_cfg)
+
+
 def test_overwrite_removes_the_old_weight_files(cfg, params, tmp_path):
   """Exporting over a folder that held a sharded model: the old shards and index go (loading
   must never see old tensors); other files (a tokenizer) stay; no overwrite, no write."""

@@ -52,6 +52,30 @@ def test_masked_forward_equals_sliced_model(cfg, params, tokens, d, heads, exper
   np.testing.assert_allclose(masked, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_heads,head_dim", [(2, 4), (4, 2), (2, 3)])
+def test_query_heads_and_head_dim_masks_equal_sliced_model(cfg_x, params, tokens, q_heads,
+                                                           head_dim):
+  """Query heads per KV group and Mamba head-dim channels: the masked parent equals weights cut
+  by hand (query heads stored KV-group-minor: r heads per group are the first r * Hkv)."""
+  cfg = cfg_x
+  counts = {"attention_heads": q_heads, "mamba_head_dim": head_dim, "mamba_heads": 6}
+  masked = apply(params, tokens, from_counts(cfg, counts), config=cfg)
+  small, _ = hand_slice(params, cfg, cfg.hidden_size, 6, 8, 16)
+  P = head_dim
+  for i, kind in enumerate(cfg.layer_pattern):
+    m = small["layers"][str(i)]["mixer"]
+    if kind == "*":
+      m.update(q=m["q"][:, :q_heads], o=m["o"][:q_heads])
+    elif kind == "M":
+      m.update({k: m[k][..., :P] for k in ("in_z", "in_x", "conv_x", "conv_x_bias", "norm")})
+      m["out_proj"] = m["out_proj"][:, :, :P]
+  small_cfg = cfg.replace(mamba_num_heads=6, num_attention_heads=q_heads, mamba_head_dim=P,
+                          mamba_head_choices=(), attention_head_choices=(),
+                          mamba_head_dim_choices=())
+  np.testing.assert_allclose(masked, apply(small, tokens, config=small_cfg), rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_full_masks_equal_no_masks(cfg, params, tokens):
   # Two compiled programs (multiplying by ones changes the fusion order): fp32 rounding apart.
   np.testing.assert_allclose(apply(params, tokens, from_counts(cfg, None), config=cfg),
@@ -78,8 +102,19 @@ def test_mask_shapes(cfg):
   np.testing.assert_array_equal(m.mamba_heads[0], [[1, 1, 0, 0]] * 2)
   np.testing.assert_array_equal(m.mamba_heads[1], [[1, 1, 1, 0]] * 2)
   assert m.moe_experts.shape == (2, 8) and m.moe_ffn.shape == (2, 16)
+  assert m.attention_heads.shape == (1, 4) and m.mamba_head_dim.shape == (2, 4)
+  assert m.depth.shape == (6,)
   leaves = jax.tree_util.tree_leaves(m)
-  assert len(leaves) == 4  # a plain pytree of arrays
+  assert len(leaves) == 7  # a plain pytree of arrays, one per axis
+
+
+def test_depth_mask_keeps_the_layers_ranked_first(cfg_x):
+  cfg = cfg_x.replace(depth_order=(0, 2, 1, 4, 5, 3))
+  np.testing.assert_array_equal(from_counts(cfg, {"depth": 4}).depth, [1, 1, 1, 0, 1, 0])
+  np.testing.assert_array_equal(from_counts(cfg, {"depth": 5}).depth, [1, 1, 1, 0, 1, 1])
+  np.testing.assert_array_equal(from_counts(cfg_x, {"depth": 4}).depth, [1, 1, 1, 1, 0, 0])
+  with pytest.raises(ValueError, match="depth_order: must list every layer index 0..5 once"):
+    cfg_x.replace(depth_order=(0, 1, 2, 3, 4, 4))
 
 
 @pytest.mark.parametrize("counts,match", [

@@ -49,6 +49,31 @@ def test_latency_matches_hand_count_on_sliced_weights(cfg, params, batch, prompt
   assert M.count_latency(cfg, None, cost) > want      # the parent is slower
 
 
+def test_query_heads_and_head_dim_in_latency_and_memory(cfg_x, params):
+  """Fewer query heads cut attention FLOPs, fewer head-dim channels the Mamba states: both
+  against the hand count on the sliced weights (which reads the sliced config's sizes)."""
+  counts = {**COUNTS, "attention_heads": 2, "mamba_head_dim": 2}
+  small, small_cfg = slice_params(params, cfg_x, counts)
+  for batch, prompt, decode in [(1, 64, 32), (64, 4096, 512)]:
+    cost = M.CostModel(batch=batch, prompt_len=prompt, decode_len=decode)
+    assert M.count_latency(cfg_x, counts, cost) == pytest.approx(
+        _hand_latency(small, small_cfg, cost), rel=1e-9)
+  # Depth: the dropped layers' weights, states and attention leave every measure.
+  for order in [(), (0, 3, 2, 4, 5, 1)]:   # drops layers 4, 5 / the attention layer and 5
+    cfg = cfg_x.replace(depth_order=order)
+    deep = {**counts, "depth": 4}
+    small, small_cfg = slice_params(params, cfg, deep)
+    cost = M.CostModel(batch=8, prompt_len=256, decode_len=64)
+    assert M.count_latency(cfg, deep, cost) == pytest.approx(
+        _hand_latency(small, small_cfg, cost), rel=1e-9)
+    assert count_memory(cfg, deep, batch=2, seq_len=9) == pytest.approx(
+        count_memory(small_cfg, None, batch=2, seq_len=9))
+  hp, N, K, G = 6 * 2, cfg_x.ssm_state_size, cfg_x.conv_kernel, cfg_x.mamba_n_groups
+  states = 2 * (hp * N * 4.0 + (hp + 2 * G * N) * (K - 1) * 2.0)     # two Mamba layers, 1 seq
+  weights = count_params(cfg_x, counts).total * 2.0
+  assert count_memory(cfg_x, counts, batch=1, seq_len=0) == pytest.approx(weights + states)
+
+
 def test_decode_reads_active_weights_at_batch_one_and_all_at_large_batch(cfg):
   """Bandwidth-bound decode: batch 1 reads the k routed experts (active weights), so dropping
   experts saves only their router columns; a large batch reads nearly all experts, so there

@@ -65,7 +65,8 @@ def test_gumbel_hard_is_one_hot_with_gradient():
 def test_masks(cfg, params, tokens):
   pi = {"hidden": jnp.array([[0.2, 0.5, 0.3]]), "mamba_heads": jnp.array([[0.0, 0.0, 1.0, 0.0]]),
         "moe_experts": jnp.array([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
-        "moe_ffn": jnp.array([[0.0, 0.0, 1.0]])}
+        "moe_ffn": jnp.array([[0.0, 0.0, 1.0]]), "attention_heads": jnp.array([[1.0]]),
+        "mamba_head_dim": jnp.array([[1.0]]), "depth": jnp.array([[1.0]])}
   soft = R.masks_from_probs(pi, cfg, "soft")
   np.testing.assert_allclose(soft.hidden[:16], 1.0)
   np.testing.assert_allclose(soft.hidden[16:24], 0.7)
@@ -73,7 +74,8 @@ def test_masks(cfg, params, tokens):
   hard = R.masks_from_probs(pi, cfg, "hard")
   np.testing.assert_allclose(hard.hidden, 0.5 * (jnp.arange(32) < 24))
   counts = R.argmax_counts(pi, cfg)
-  assert counts == {"hidden": 24, "mamba_heads": 4, "moe_experts": (6, 8), "moe_ffn": 8}
+  assert counts == {"hidden": 24, "mamba_heads": 4, "moe_experts": (6, 8), "moe_ffn": 8,
+                    "attention_heads": 4, "mamba_head_dim": 4, "depth": 6}
   inf = R.masks_from_probs(pi, cfg, "inference")
   ref = from_counts(cfg, counts)
   chex.assert_trees_all_equal(inf, ref)
@@ -82,18 +84,19 @@ def test_masks(cfg, params, tokens):
 
 
 @pytest.mark.parametrize("axis", list(AXES))
-def test_soft_masks_converge_to_hard_on_every_axis(cfg, params, tokens, axis):
+def test_soft_masks_converge_to_hard_on_every_axis(cfg_x, params, tokens, axis):
   """Staircase masks with tail mass eps on the other choices -> the deployed hard-mask forward
   as eps -> 0, on every axis (the expert count included: dropped experts must leave top-k)."""
+  cfg = cfg_x
   n = {name: len(a.choices(cfg)) for name, a in AXES.items()}
   full = {name: jax.nn.one_hot(jnp.zeros(1, jnp.int32), k) for name, k in n.items()}
-  pick = n[axis] - 2  # a middle choice: both a larger and a smaller one get tail mass
+  pick = max(n[axis] - 2, 1)  # a middle choice: a larger and (where any) a smaller one get mass
 
   def probs(eps):
     pi = jnp.full((1, n[axis]), eps / (n[axis] - 1)).at[0, pick].set(1.0 - eps)
     return dict(full, **{axis: pi})
 
-  hard = apply(params, tokens, R.masks_from_probs(probs(0.5), cfg, "inference"), config=cfg)
+  hard = apply(params, tokens, R.masks_from_probs(probs(0.1), cfg, "inference"), config=cfg)
   errs = []
   for eps in (1e-2, 1e-4, 1e-6):
     soft = apply(params, tokens, R.masks_from_probs(probs(eps), cfg, "soft"), config=cfg)

@@ -24,6 +24,51 @@ def test_sliced_equals_masked(cfg, params, tokens, counts):
   np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("counts", [{"attention_heads": 2, "mamba_head_dim": 3, "hidden": 24},
+                                    {"attention_heads": (2,), "mamba_head_dim": (4, 2),
+                                     "mamba_heads": (6, 8)}], ids=["homogeneous", "per_layer"])
+def test_query_heads_and_head_dim_slices(cfg_x, params, tokens, counts):
+  """The axes beyond the paper slice, count and re-slice like the others."""
+  small, small_cfg = slice_params(params, cfg_x, counts)
+  assert count_leaves(small) == count_params(cfg_x, counts).total == count_params(small_cfg).total
+  assert count_params(small_cfg).active == count_params(cfg_x, counts).active
+  masked = apply(params, tokens, from_counts(cfg_x, counts), config=cfg_x)
+  np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
+  if isinstance(counts["mamba_head_dim"], tuple):
+    assert small_cfg.mamba_head_dim_per_layer == (4, 2) and small_cfg.mamba_head_dim == 4
+    assert small["layers"]["4"]["mixer"]["out_proj"].shape == (2, 4, 2, 32)
+  else:
+    assert small_cfg.num_attention_heads == 2 and small_cfg.attention_head_choices == ()
+    assert small["layers"]["1"]["mixer"]["q"].shape == (24, 2, 8)
+
+
+@pytest.mark.parametrize("depth_order", [(), (0, 2, 1, 4, 5, 3)])
+def test_depth_slices_keep_the_highest_ranked_layers(cfg_x, params, tokens, depth_order):
+  """Depth keeps the layers ranked first (`depth_order`), in pattern order; the masked parent
+  (dropped layers' residual branches at 0) equals the sub-model with those layers removed,
+  together with per-layer counts of other axes, and the sub-model re-slices like the parent."""
+  cfg = cfg_x.replace(depth_order=depth_order)
+  counts = {"depth": 4, "hidden": 24, "moe_experts": (6, 4), "mamba_head_dim": (3, 4)}
+  small, small_cfg = slice_params(params, cfg, counts)
+  kept = (0, 1, 2, 3) if not depth_order else (0, 1, 2, 4)
+  assert small_cfg.layer_pattern == "".join(cfg.layer_pattern[i] for i in kept)
+  assert small_cfg.num_layers == 4 and small_cfg.depth_choices == ()   # () = all layers
+  np.testing.assert_array_equal(small["layers"]["3"]["norm"]["scale"],
+                                params["layers"][str(kept[3])]["norm"]["scale"][:24])
+  assert count_leaves(small) == count_params(cfg, counts).total == count_params(small_cfg).total
+  assert count_params(small_cfg).active == count_params(cfg, counts).active
+  masked = apply(params, tokens, from_counts(cfg, counts), config=cfg)
+  np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
+  if depth_order:
+    # Ranks survive slicing: layer 4 (rank 3) is now index 3; rank order (0, 2, 1, 3).
+    assert small_cfg.depth_order == (0, 2, 1, 3)
+    mid, mid_cfg = slice_params(params, cfg, {"depth": 5})
+    again, again_cfg = slice_params(mid, mid_cfg, {"depth": 4})
+    direct, direct_cfg = slice_params(params, cfg, {"depth": 4})
+    assert again_cfg == direct_cfg
+    chex.assert_trees_all_equal(again, direct)
+
+
 def test_matches_hand_slice(cfg, params):
   small, small_cfg = slice_params(params, cfg, COUNTS[0])
   ref, ref_cfg = hand_slice(params, cfg, 24, 6, 6, 12)
@@ -50,6 +95,9 @@ def test_per_layer_config_and_reslice(cfg, params, tokens):
     ({"experts": 4}, "unknown axis names \\['experts'\\]; allowed: \\['hidden'"),
     ({"moe_ffn": 10}, "axis 'moe_ffn': count 10 is not one of.*\\[16, 12, 8\\]"),
     ({"mamba_heads": 3}, "axis 'mamba_heads': count 3 is not a multiple"),
+    ({"attention_heads": 3}, "axis 'attention_heads': count 3 is not a multiple of num_kv_heads"),
+    ({"attention_heads": 2}, "axis 'attention_heads': count 2 is not one of.*\\[4\\]"),
+    ({"depth": 5}, "axis 'depth': count 5 is not one of.*\\[6\\]"),
     ({"moe_experts": 16}, "axis 'moe_experts': count 16 exceeds"),
 ])
 def test_bad_counts(cfg, params, counts, match):

@@ -6,8 +6,11 @@ top-level leaves, ``"all"`` for a leaf present in every layer, or a layer patter
 (``M * E -``); `path` is relative to the params root (global) or to one layer dict.
 
 Counts are user-facing sizes: hidden channels, Mamba heads over the whole layer (the same number
-kept in each group), routed experts, expert FFN width. `Axis.dim_size` converts a count to the
-size of the leaf dimension (Mamba heads are stored as ``[groups, heads_per_group, ...]``).
+kept in each group), routed experts, expert FFN width, query heads over the whole attention layer
+(the same number kept per KV group), channels per Mamba head. `Axis.dim_size` converts a count
+to the size of the leaf dimension (Mamba heads are stored as ``[groups, heads_per_group, ...]``;
+query heads are stored KV-group-minor, head h reading KV head h % num_kv_heads, so keeping r
+heads of every group is a prefix of r * num_kv_heads).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ class Axis:
     return CHOICE_FIELDS[self.name][0]
 
   def choices(self, config: ModelConfig) -> tuple[int, ...]:
-    return getattr(config, self.choices_field)
+    return getattr(config, self.choices_field) or (getattr(config, CHOICE_FIELDS[self.name][1]),)
 
   def full(self, config: ModelConfig) -> int:
     return self.choices(config)[0]
@@ -88,6 +91,17 @@ AXES: dict[str, Axis] = {a.name: a for a in (
     Axis("moe_ffn", "E", "expert_mlp", (
         _u("E", "mixer.up", 2), _u("E", "mixer.down", 1),
     )),
+    # Axes beyond the paper (appended: the router's per-axis keys keep their order).
+    Axis("attention_heads", "*", "q_heads", (
+        _u("*", "mixer.q", 1), _u("*", "mixer.o", 0),
+    )),
+    Axis("mamba_head_dim", "M", "mamba_head_dim", (
+        _u("M", "mixer.in_z", 3), _u("M", "mixer.in_x", 3), _u("M", "mixer.conv_x", 3),
+        _u("M", "mixer.conv_x_bias", 2), _u("M", "mixer.norm", 2), _u("M", "mixer.out_proj", 2),
+    )),
+    # Depth cuts no leaf dim: it keeps whole layers (`ModelConfig.kept_layers`), so masking,
+    # counting and slicing read it through `layer_keep` and `ModelConfig.depth_order`.
+    Axis("depth", None, "layers", ()),
 )}
 
 # Leaves whose leading dim indexes routed experts: only top-k of them are active per token.
@@ -150,6 +164,9 @@ def _validate_count(config: ModelConfig, axis: Axis, v, full: int) -> None:
   if axis.name == "mamba_heads" and v % config.mamba_n_groups:
     raise _err(axis.name, f"count {v} is not a multiple of mamba_n_groups="
                f"{config.mamba_n_groups}", choices)
+  if axis.name == "attention_heads" and v % config.num_kv_heads:
+    raise _err(axis.name, f"count {v} is not a multiple of num_kv_heads="
+               f"{config.num_kv_heads}", choices)
   if v not in choices:
     raise _err(axis.name, f"count {v} is not one of the axis' choices", choices)
 
@@ -164,6 +181,16 @@ def layer_counts(config: ModelConfig, counts: dict[str, tuple], layer: int) -> d
     elif axis.layer_kind == kind:
       out[name] = counts[name][config.layers_of(kind).index(layer)]
   return out
+
+
+def layer_keep(config: ModelConfig, counts: dict[str, tuple]) -> list:
+  """Per layer, 1 where the depth count keeps it, else 0 (normalized counts in). A traced
+  (expected) depth n gives clip(n - rank, 0, 1): exact at integers, differentiable between."""
+  n = counts["depth"][0]
+  if isinstance(n, numbers.Number):
+    return [1 if r < n else 0 for r in config.layer_ranks]
+  import jax.numpy as jnp
+  return [jnp.clip(n - r, 0.0, 1.0) for r in config.layer_ranks]
 
 
 def uses_for(kind_of_leaf: str, path: tuple[str, ...]):
@@ -194,7 +221,7 @@ def map_param_leaves(config: ModelConfig, tree, fn):
 
 def leaf_sizes(config: ModelConfig, counts: dict[str, tuple], kind: str, layer, path, shape):
   """`shape` with each axis-touched dim replaced by that axis' count (normalized counts)."""
-  lc = ({a: v[0] for a, v in counts.items()} if layer is None
+  lc = ({a: v[0] for a, v in counts.items() if v} if layer is None
         else layer_counts(config, counts, layer))
   dims = list(shape)
   for axis, use in uses_for(kind, path):

@@ -7,6 +7,11 @@ Per batch, for a channel c: a_c += sum_b (mean_t |act[b, t, c]|)^2; importance =
   heads are ranked within their group by the nesting step;
 - expert FFN width: the down-projection input g * relu^2(h) on routed tokens (gate-weighted, as
   ModelOpt reads it), one score per layer shared by its experts;
+- attention query heads: on each head's output (before the output projection) [Hq, hd], a head
+  scored by the L2 over its channels; ranked within its KV group ([Hkv, rep]);
+- Mamba head-dim channels: the `mamba_channels` score above, one order per layer for all heads;
+- depth: a layer scored by the increase of the next-token loss on the calibration batches when
+  that layer alone is dropped (its residual branch masked to 0), only when depth is elastic;
 - experts: REAP S_j = mean over tokens routed to j of g_j(x) ||E_j(x)||_2 with the model's own
   normalised sigmoid gate (ModelOpt's expert L2, of the gated output, is this same score), or
   the ungated mean ||E_j(x)||_2 (`expert_score="output_norm"`).
@@ -23,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
+from elastic_jax.model.budget_masks import BudgetMasks
 from elastic_jax.model.model import apply
 
 EXPERT_SCORES = ("reap", "output_norm")
@@ -36,6 +42,8 @@ class Importance:
   mamba_channels: Any  # [L_mamba, P]
   moe_ffn: Any         # [L_moe, F]
   moe_experts: Any     # [L_moe, E]
+  attention_heads: Any = None  # [L_attn, Hkv, rep]
+  depth: Any = None            # [L] (None unless depth has several choices)
   num_tokens: int = 0
 
 
@@ -70,7 +78,8 @@ def scores_from_stats(stats, config: ModelConfig, n_tokens: int = 0, expert_scor
   if expert_score not in EXPERT_SCORES:
     raise ValueError(f"expert_score must be one of {EXPERT_SCORES}, got {expert_score!r}")
   hidden = sum(jnp.sqrt(s["hidden"]) for s in stats)
-  heads, channels, ffn, experts = [], [], [], []
+  heads, channels, ffn, experts, q_heads = [], [], [], [], []
+  Hkv = config.num_kv_heads
   for kind, s in zip(config.layer_pattern, stats):
     if kind == "M":
       x = jnp.sqrt(s["x"])                                   # [G, H, P]
@@ -83,9 +92,37 @@ def scores_from_stats(stats, config: ModelConfig, n_tokens: int = 0, expert_scor
       ffn.append(jnp.sqrt(s["ffn"]))
       num = s["reap_sum"] if expert_score == "reap" else s["norm_sum"]
       experts.append(jnp.where(s["count"] > 0, num / jnp.maximum(s["count"], 1.0), 0.0))
+    elif kind == "*":
+      h = jnp.sqrt(jnp.sum(s["heads"], axis=-1))            # [Hq], stored [rep, Hkv]
+      q_heads.append(h.reshape(-1, Hkv).T)
   stack = lambda xs: jnp.stack(xs) if xs else None
   return Importance(hidden=hidden, mamba_heads=stack(heads), mamba_channels=stack(channels),
-                    moe_ffn=stack(ffn), moe_experts=stack(experts), num_tokens=n_tokens)
+                    moe_ffn=stack(ffn), moe_experts=stack(experts),
+                    attention_heads=stack(q_heads), num_tokens=n_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _drop_losses(params, tokens, config: ModelConfig, moe_impl: str):
+  """(mean next-token NLL of `tokens` with each layer dropped in turn [L], with none)."""
+  def nll(keep_L):
+    logits = apply(params, tokens[:, :-1], BudgetMasks(depth=keep_L), config=config,
+                   moe_impl=moe_impl)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+  L = config.num_layers
+  return jax.lax.map(nll, 1.0 - jnp.eye(L)), nll(jnp.ones(L))
+
+
+def layer_scores(params, config: ModelConfig, batches: Iterable, moe_impl: str = "dense"):
+  """[L] mean increase of the next-token loss when each layer alone is dropped (the depth
+  ranking: a larger increase, a more important layer)."""
+  total, n = 0.0, 0
+  for tokens in batches:
+    drops, full = _drop_losses(params, jnp.asarray(tokens), config, moe_impl)
+    total, n = total + (drops - full), n + 1
+  if not n:
+    raise ValueError("importance.layer_scores got no calibration batches")
+  return total / n
 
 
 def compute_importance(params, config: ModelConfig, batches: Iterable, expert_score: str = "reap",
@@ -95,5 +132,10 @@ def compute_importance(params, config: ModelConfig, batches: Iterable, expert_sc
   (`moe_impl` as in `accumulate`)."""
   if not config.is_homogeneous:
     raise ValueError("importance is computed on a homogeneous parent, not a per-layer slice")
+  elastic_depth = len(config.depth_choices) > 1
+  batches = list(batches) if elastic_depth else batches
   stats, n = accumulate(params, config, batches, log_every, moe_impl)
-  return scores_from_stats(stats, config, n, expert_score, mamba_top_channels)
+  scores = scores_from_stats(stats, config, n, expert_score, mamba_top_channels)
+  if elastic_depth:
+    scores.depth = layer_scores(params, config, batches, moe_impl)
+  return scores

@@ -24,8 +24,21 @@ def axis_mask_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
   per = {"hidden": (config.hidden_size,),
          "mamba_heads": (config.mamba_n_groups, config.mamba_heads_per_group),
          "moe_experts": (config.n_routed_experts,),
-         "moe_ffn": (config.moe_intermediate_size,)}[name]
+         "moe_ffn": (config.moe_intermediate_size,),
+         "attention_heads": (config.num_attention_heads,),
+         "mamba_head_dim": (config.mamba_head_dim,),
+         "depth": (config.num_layers,)}[name]
   return per if axis.layer_kind is None else (axis.num_layers(config),) + per
+
+
+def arrange(config: ModelConfig, name: str, m):
+  """Prefix masks [..., size] of axis `name` in the layout of its `BudgetMasks` field: Mamba
+  heads repeated for every group; depth by layer, layer l kept when its rank is in the prefix."""
+  if name == "mamba_heads":
+    return jnp.broadcast_to(m[..., None, :], m.shape[:-1] + (config.mamba_n_groups, m.shape[-1]))
+  if name == "depth":
+    return m[..., jnp.asarray(config.layer_ranks)]
+  return m
 
 
 def from_counts(config: ModelConfig, counts: Mapping[str, Any] | None) -> BudgetMasks:
@@ -40,7 +53,5 @@ def from_counts(config: ModelConfig, counts: Mapping[str, Any] | None) -> Budget
     size = shape[-1]
     rows = [prefix_mask(axis.dim_size(v, config), size) for v in norm[name]]
     m = jnp.stack(rows) if axis.layer_kind is not None else rows[0]
-    if name == "mamba_heads":
-      m = jnp.broadcast_to(m[:, None, :], shape)
-    fields[name] = m
+    fields[name] = arrange(config, name, m)
   return BudgetMasks(**fields)

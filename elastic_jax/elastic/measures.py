@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from elastic_jax.config import BUDGET_MEASURES, ModelConfig
-from elastic_jax.elastic.axes import normalize_counts
+from elastic_jax.elastic.axes import layer_keep, normalize_counts
 from elastic_jax.elastic.params_count import BYTES_PER_ELEMENT, count_memory, count_params
 
 
@@ -78,8 +78,10 @@ def count_latency(config: ModelConfig, counts: Mapping[str, Any] | None = None,
   experts = sum(norm["moe_experts"]) / max(n_moe, 1)   # mean over layers (exact if homogeneous)
   dense = pc.total - pc.embedding - experts * expert     # read every step (router included)
   k = c.num_experts_per_tok
-  n_attn = len(c.layers_of("*"))
-  attn_flops = 4 * c.num_attention_heads * c.head_dim * n_attn          # per token per context
+  keep = layer_keep(config, norm)
+  n_attn = sum(keep[i] for i in c.layers_of("*"))
+  attn_flops = 4 * c.head_dim * sum(keep[i] * h for i, h in zip(c.layers_of("*"),
+                                                                norm["attention_heads"]))
   kv_token = 2 * c.num_kv_heads * c.head_dim * cost.kv_bytes * n_attn   # bytes per token
   states = count_memory(config, counts, weight_format=cost.weight_format, batch=1, seq_len=0,
                         validate=validate) - pc.total * bpe               # Mamba states, 1 seq

@@ -15,8 +15,8 @@ from typing import Any, Mapping
 import jax
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.elastic.axes import (ROUTED_EXPERT_LEAVES, leaf_sizes, map_param_leaves,
-                                      normalize_counts)
+from elastic_jax.elastic.axes import (ROUTED_EXPERT_LEAVES, layer_keep, leaf_sizes,
+                                      map_param_leaves, normalize_counts)
 from elastic_jax.model.model import param_shapes
 
 
@@ -36,17 +36,19 @@ def count_params(config: ModelConfig, counts: Mapping[str, Any] | None = None,
   """Total / active parameter counts of the sub-model with per-axis `counts` (full if None)."""
   norm = normalize_counts(config, counts, validate)
   totals = {"total": 0, "active": 0, "embedding": 0}
+  keep = layer_keep(config, norm)
 
   def visit(kind, layer, path, spec):
     dims = leaf_sizes(config, norm, kind, layer, path, spec.shape)
+    k = 1 if layer is None else keep[layer]   # a layer the depth count drops has no parameters
     size = math.prod(dims)
-    totals["total"] = totals["total"] + size
+    totals["total"] = totals["total"] + k * size
     if path == ("embed",):
       totals["embedding"] = size
     if kind == "E" and path in ROUTED_EXPERT_LEAVES:
       dims[0] = config.num_experts_per_tok
       size = math.prod(dims)
-    totals["active"] = totals["active"] + size
+    totals["active"] = totals["active"] + k * size
 
   map_param_leaves(config, param_shapes(config), visit)
   return ParamCount(**totals)
@@ -72,10 +74,13 @@ def count_memory(config: ModelConfig, counts: Mapping[str, Any] | None = None, *
   norm = normalize_counts(config, counts, validate)
   weights = count_params(config, counts, validate).total * BYTES_PER_ELEMENT[weight_format]
   c = config
-  kv = len(c.layers_of("*")) * 2 * batch * seq_len * c.num_kv_heads * c.head_dim * kv_bytes
+  keep = layer_keep(config, norm)
+  n_attn = sum(keep[i] for i in c.layers_of("*"))
+  kv = n_attn * 2 * batch * seq_len * c.num_kv_heads * c.head_dim * kv_bytes
   gn = 2 * c.mamba_n_groups * c.ssm_state_size
   ssm = 0
-  for heads in norm["mamba_heads"]:
-    hp = heads * c.mamba_head_dim
-    ssm = ssm + batch * (hp * c.ssm_state_size * 4.0 + (hp + gn) * (c.conv_kernel - 1) * conv_bytes)
+  for i, heads, head_dim in zip(c.layers_of("M"), norm["mamba_heads"], norm["mamba_head_dim"]):
+    hp = heads * head_dim
+    ssm = ssm + keep[i] * batch * (hp * c.ssm_state_size * 4.0
+                                   + (hp + gn) * (c.conv_kernel - 1) * conv_bytes)
   return weights + kv + ssm

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from elastic_jax.elastic.axes import AXES
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic import measures
-from elastic_jax.elastic.masks import BudgetMasks, axis_mask_shape
+from elastic_jax.elastic.masks import BudgetMasks, arrange, axis_mask_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +145,7 @@ def masks_from_probs(probs: Mapping[str, Any], config: ModelConfig, mode: str = 
       m = m[0]
     else:
       m = jnp.broadcast_to(m, (shape[0], shape[-1]))
-    if name == "mamba_heads":
-      m = jnp.broadcast_to(m[:, None, :], shape)
-    fields[name] = m
+    fields[name] = arrange(config, name, m)
   return BudgetMasks(**fields)
 
 

@@ -20,16 +20,27 @@ def _freeze(norm: dict[str, tuple]) -> tuple:
 
 
 def sliced_config(config: ModelConfig, counts: Mapping[str, Any] | None) -> ModelConfig:
-  """The sub-model's own config: sizes from `counts`, choices capped at the new sizes."""
+  """The sub-model's own config: sizes from `counts`, choices capped at the new sizes; with a
+  depth count, only the kept layers (`ModelConfig.kept_layers`), their ranks kept in order."""
   norm = normalize_counts(config, counts)
+  kept = config.kept_layers(norm["depth"][0])
   kw = {}
   for name, axis in AXES.items():
     values = norm[name]
+    if axis.layer_kind is not None:   # the kept layers' own counts
+      of_kind = config.layers_of(axis.layer_kind)
+      values = tuple(v for i, v in zip(of_kind, values) if i in kept)
     top = max(values) if values else axis.full(config)
-    kw[CHOICE_FIELDS[name][1]] = top
+    if name != "depth":
+      kw[CHOICE_FIELDS[name][1]] = top
     kw[axis.choices_field] = tuple(c for c in axis.choices(config) if c <= top) or (top,)
     if name in PER_LAYER_FIELDS:
       kw[PER_LAYER_FIELDS[name]] = values if len(set(values)) > 1 else ()
+  if len(kept) < config.num_layers:
+    ranks = [config.layer_ranks[i] for i in kept]
+    order = tuple(sorted(range(len(kept)), key=lambda j: ranks[j]))
+    kw.update(layer_pattern="".join(config.layer_pattern[i] for i in kept),
+              depth_order=() if order == tuple(range(len(kept))) else order)
   return config.replace(**kw)
 
 
@@ -43,7 +54,10 @@ def _slice(params, config: ModelConfig, frozen_counts: tuple):
       return leaf
     return leaf[tuple(slice(0, d) for d in dims)]
 
-  return map_param_leaves(config, params, cut)
+  out = map_param_leaves(config, params, cut)
+  kept = config.kept_layers(norm["depth"][0])
+  out["layers"] = {str(j): out["layers"][str(i)] for j, i in enumerate(kept)}
+  return out
 
 
 def slice_params(params, config: ModelConfig, counts: Mapping[str, Any] | None):

@@ -308,10 +308,14 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
     sharding = shd.param_shardings(shapes, small, sharding, rules)
   if isinstance(sharding, jax.sharding.Sharding):
     sharding = jax.tree_util.tree_map(lambda _: sharding, shapes)
-  abstract = layout(shapes)
+  # A depth budget reads only its kept layers, under their stored (parent) indices.
+  kept = config.kept_layers(normalize_counts(config, counts)["depth"][0])
+  stored_names = lambda tree: {**tree, "layers": {str(kept[int(j)]): v
+                                                  for j, v in tree["layers"].items()}}
+  abstract = layout(stored_names(shapes))
   args = jax.tree_util.tree_map(
       lambda s, sh: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sh,
-                                         strict=False), abstract, layout(sharding))
+                                         strict=False), abstract, layout(stored_names(sharding)))
   try:
     state = ckptr.restore(state_dir, item={"params": abstract}, restore_args={"params": args},
                           partial_restore=True)  # the router, if any, is restored separately
@@ -326,6 +330,7 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
     raise CheckpointError(f"{path}: leaf {bad[0]}{more} does not match the fingerprint "
                           f"recorded when it was saved: corrupt files under {state_dir}")
   params = layouts.from_legacy(state["params"]) if legacy else state["params"]
+  params = {**params, "layers": {str(j): params["layers"][str(i)] for j, i in enumerate(kept)}}
   _check_params(params, small, "restore")
   return params, small
 

@@ -178,16 +178,29 @@ def _mamba_to_hf(p, c: ModelConfig):
   return out
 
 
+def _group_minor(w, dim: int, groups: int, inverse: bool = False):
+  """Query heads along `dim` from HF's group-major order (h = g * rep + r) to ours, KV-group-minor
+  (h = r * Hkv + g; see model/attention.py), or back with `inverse`."""
+  lead, heads = w.shape[:dim], w.shape[dim]
+  split = (groups, heads // groups) if not inverse else (heads // groups, groups)
+  w = w.reshape(lead + split + w.shape[dim + 1:])
+  return np.swapaxes(w, dim, dim + 1).reshape(lead + (heads,) + w.shape[dim + 2:])
+
+
 def _attn_from_hf(t, c: ModelConfig):
-  D, hd = c.hidden_size, c.head_dim
-  return {"q": t("q_proj.weight").T.reshape(D, -1, hd), "k": t("k_proj.weight").T.reshape(D, -1, hd),
-          "v": t("v_proj.weight").T.reshape(D, -1, hd), "o": t("o_proj.weight").T.reshape(-1, hd, D)}
+  D, hd, G = c.hidden_size, c.head_dim, c.num_kv_heads
+  return {"q": _group_minor(t("q_proj.weight").T.reshape(D, -1, hd), 1, G),
+          "k": t("k_proj.weight").T.reshape(D, -1, hd),
+          "v": t("v_proj.weight").T.reshape(D, -1, hd),
+          "o": _group_minor(t("o_proj.weight").T.reshape(-1, hd, D), 0, G)}
 
 
 def _attn_to_hf(p, c: ModelConfig):
-  D = c.hidden_size
-  return {"q_proj.weight": p["q"].reshape(D, -1).T, "k_proj.weight": p["k"].reshape(D, -1).T,
-          "v_proj.weight": p["v"].reshape(D, -1).T, "o_proj.weight": p["o"].reshape(-1, D).T}
+  D, G = c.hidden_size, c.num_kv_heads
+  q = _group_minor(np.asarray(p["q"]), 1, G, inverse=True)
+  o = _group_minor(np.asarray(p["o"]), 0, G, inverse=True)
+  return {"q_proj.weight": q.reshape(D, -1).T, "k_proj.weight": p["k"].reshape(D, -1).T,
+          "v_proj.weight": p["v"].reshape(D, -1).T, "o_proj.weight": o.reshape(-1, D).T}
 
 
 def _stack(t, names):

@@ -1,6 +1,9 @@
 """Causal GQA self-attention without positional encoding (NoPE), softmax in fp32.
 
-Leaves: q [D,Hq,hd], k/v [D,Hkv,hd], o [Hq,hd,D]. Query head h reads KV head h // (Hq/Hkv).
+Leaves: q [D,Hq,hd], k/v [D,Hkv,hd], o [Hq,hd,D]. Query heads are stored KV-group-minor: head
+h = r * Hkv + g is the r-th query head of KV group g, so keeping the first r heads of every group
+(the elastic "attention_heads" axis) is a prefix of the head dim. (HF's Nemotron-H orders them
+group-major, h = g * rep + r; `io.hf` converts.)
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
+from elastic_jax.model.norms import channel_score
 
 
 class Attention(nn.Module):
@@ -19,7 +23,8 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD, *, state=None, pos=None, key_valid_BS=None):
+  def __call__(self, x_BTD, head_mask_H=None, *, state=None, pos=None, key_valid_BS=None,
+               collect: bool = False):
     c = self.config
     D, Hq, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim
     lin = init.normal(c.initializer_range)
@@ -29,7 +34,7 @@ class Attention(nn.Module):
                             "k": ((D, Hkv, hd), ("embed",) + kvh, lin, pd),
                             "v": ((D, Hkv, hd), ("embed",) + kvh, lin, pd),
                             "o": ((Hq, hd, D), qh + ("embed",), out, pd)})
-    return attention(p, x_BTD, c, state, pos, key_valid_BS)
+    return attention(p, x_BTD, c, state, pos, key_valid_BS, head_mask_H, collect)
 
 
 def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
@@ -70,16 +75,21 @@ def init_state(c: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
   return {"k": jnp.zeros(shape, dt_), "v": jnp.zeros(shape, dt_)}
 
 
-def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS=None):
+def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS=None,
+              head_mask_H=None, collect: bool = False):
   """Causal attention on params `p`: (out [B,T,D], aux). With a KV cache `state` (see
   `init_state`), the T new tokens go to cache columns [pos, pos + T) and attend to every earlier
   column marked in `key_valid_BS` (which already covers the new columns); aux["state"] is then
-  the new cache (else None). aux["stats"] is always None."""
+  the new cache (else None). `head_mask_H` scales each query head's output (a hard prefix mask
+  drops heads exactly as slicing them does). aux["stats"]: with `collect`, {"heads": the
+  Minitron score of each head's output channels [Hq, hd]}, else None."""
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
   B, T, _ = x_BTD.shape
   Hkv, rep = c.num_kv_heads, c.num_attention_heads // c.num_kv_heads
-  q = jnp.einsum("btd,dhk->bthk", x_BTD, p["q"].astype(dt_)).reshape(B, T, Hkv, rep, c.head_dim)
+  # Stored [rep, Hkv] (KV-group-minor); the attention core wants [Hkv, rep].
+  q = jnp.einsum("btd,dhk->bthk", x_BTD, p["q"].astype(dt_)).reshape(B, T, rep, Hkv, c.head_dim)
+  q = jnp.swapaxes(q, 2, 3)
   k = jnp.einsum("btd,dhk->bthk", x_BTD, p["k"].astype(dt_))
   v = jnp.einsum("btd,dhk->bthk", x_BTD, p["v"].astype(dt_))
   if state is None and c.attention_impl == "dot_product":
@@ -97,6 +107,10 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
     # A padding query keeps its own column so its softmax row is never empty (NaN-free).
     mask = ((key_valid_BS[:, None, :] & (col_S <= row_T[:, None])) | (col_S == row_T[:, None]))
     out = attend(q, k, v, mask[:, None, None])
+  out = jnp.swapaxes(out.reshape(B, T, Hkv, rep, c.head_dim), 2, 3)
   out = out.reshape(B, T, c.num_attention_heads, c.head_dim)
+  stats = {"heads": channel_score(out)} if collect else None
+  if head_mask_H is not None:
+    out = out * head_mask_H.astype(out.dtype)[:, None]
   out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
-  return out, {"stats": None, "state": state}
+  return out, {"stats": stats, "state": state}

@@ -38,9 +38,12 @@ class Block(nn.Module):
     h = RMSNorm(c.hidden_size, c.norm_eps, c.param_dtype, name="norm")(x_BTD, hidden_mask)
     if self.kind == "M":
       out, aux = Mamba2(c, name="mixer")(h, layer_masks.get("mamba_heads"), ssd=self.ssd,
-                                         collect=self.collect, state=state, valid_BT=valid_BT)
+                                         collect=self.collect, state=state, valid_BT=valid_BT,
+                                         channel_mask_P=layer_masks.get("mamba_head_dim"))
     elif self.kind == "*":
-      out, aux = Attention(c, name="mixer")(h, state=state, pos=pos, key_valid_BS=key_valid_BS)
+      out, aux = Attention(c, name="mixer")(h, layer_masks.get("attention_heads"), state=state,
+                                            pos=pos, key_valid_BS=key_valid_BS,
+                                            collect=self.collect)
     elif self.kind == "E":
       out, aux = MoE(c, name="mixer")(h, layer_masks.get("moe_experts"), layer_masks.get("moe_ffn"),
                                       impl=self.moe_impl, collect=self.collect)
@@ -49,6 +52,8 @@ class Block(nn.Module):
     else:
       raise ValueError(f"unknown layer kind {self.kind!r}; allowed: M * E -")
     out = out.astype(jnp.float32)
+    if layer_masks.get("depth") is not None:   # 0 drops the layer: the block is the identity
+      out = out * layer_masks["depth"]
     x_BTD = x_BTD + (out if hidden_mask is None else out * hidden_mask)
     # The residual stream's layout between blocks; a no-op unless traced under a mesh and
     # logical-axis rules (`parallel.sharding.activation_context`).

@@ -18,6 +18,9 @@ class BudgetMasks:
   mamba_heads: Any = None   # [L_mamba, G, H_per_group]
   moe_experts: Any = None   # [L_moe, E]
   moe_ffn: Any = None       # [L_moe, F]
+  attention_heads: Any = None  # [L_attn, Hq] (query heads KV-group-minor, see attention.py)
+  mamba_head_dim: Any = None   # [L_mamba, P]
+  depth: Any = None            # [L]: each layer's residual branch scaled (0 = layer dropped)
 
   def layer(self, name: str, j: int):
     """Mask of axis `name` for the j-th layer of its kind (None if unmasked)."""

@@ -31,15 +31,18 @@ STACKS = ("loop", "scan")
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 # Which BudgetMasks field each layer kind reads (per-layer fields, one row per layer of the kind).
-LAYER_MASK_FIELDS = {"M": ("mamba_heads",), "E": ("moe_experts", "moe_ffn"), "*": (), "-": ()}
+LAYER_MASK_FIELDS = {"M": ("mamba_heads", "mamba_head_dim"), "E": ("moe_experts", "moe_ffn"),
+                     "*": ("attention_heads",), "-": ()}
 
 
 def layer_masks(masks: BudgetMasks, pattern: str) -> list[dict[str, Any]]:
   """One dict per layer: {field: this layer's mask row (or None)} for the fields its kind reads."""
   seen = {k: 0 for k in LAYER_MASK_FIELDS}
   out = []
-  for kind in pattern:
+  for i, kind in enumerate(pattern):
     out.append({f: masks.layer(f, seen[kind]) for f in LAYER_MASK_FIELDS[kind]})
+    if masks.depth is not None:   # one entry per layer of any kind
+      out[-1]["depth"] = masks.depth[i]
     seen[kind] += 1
   return out
 

@@ -60,9 +60,9 @@ class Mamba2(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, head_mask_GH=None, *, ssd: str = "chunked", collect: bool = False,
-               state=None, valid_BT=None):
+               state=None, valid_BT=None, channel_mask_P=None):
     return mamba2(_declare(self, self.config), x_BTD, self.config, head_mask_GH, ssd=ssd,
-                  collect=collect, state=state, valid_BT=valid_BT)
+                  collect=collect, state=state, valid_BT=valid_BT, channel_mask_P=channel_mask_P)
 
 
 def causal_conv(x_BTC, w_KC, b_C=None, prev_BKC=None, n_pad_B=None):
@@ -102,9 +102,10 @@ def init_state(c: ModelConfig, batch: int, dtype=None) -> dict:
 
 
 def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chunked",
-           collect: bool = False, state=None, valid_BT=None):
+           collect: bool = False, state=None, valid_BT=None, channel_mask_P=None):
   """Mamba-2 mixer forward on params `p`: (out [B,T,D], aux). `head_mask_GH` keeps a prefix of
-  heads in each group.
+  heads in each group, `channel_mask_P` a prefix of every head's channels (the SSD runs per
+  channel, so dropping a channel is masking it in the output norm's statistic and output).
 
   aux["stats"]: with `collect`, {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P],
   else None. aux["state"]: with a decode `state` (see `init_state`), the new state after the T
@@ -151,7 +152,11 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
     y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0)
   new_state["ssm"] = h
   y = y + p["D"].astype(jnp.float32)[..., None] * xs.astype(jnp.float32)
-  y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, head_mask_GH).astype(dt_)
+  mask = head_mask_GH
+  if channel_mask_P is not None:
+    heads = jnp.ones(y.shape[2:4]) if head_mask_GH is None else head_mask_GH
+    mask = heads.astype(jnp.float32)[..., None] * channel_mask_P.astype(jnp.float32)
+  y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, mask).astype(dt_)
   out = jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
   return out, {"stats": stats, "state": None if state is None else new_state}
 

@@ -29,7 +29,8 @@ def rms_norm(x, weight, eps: float, mask=None):
 def gated_group_rms_norm(y_BTGHP, z_BTGHP, weight_GHP, eps: float, head_mask_GH=None):
   """Mamba-2 output norm: RMSNorm(y * silu(z)) per group (over that group's heads x head_dim).
 
-  `head_mask_GH` masks heads within each group; the statistic then covers the kept heads only.
+  `head_mask_GH` masks heads within each group ([G, H], or [G, H, P] to mask channels too); the
+  statistic then covers the kept heads (channels) only.
   """
   g = y_BTGHP.astype(jnp.float32) * jax.nn.silu(z_BTGHP.astype(jnp.float32))
   w = weight_GHP.astype(jnp.float32)
@@ -37,7 +38,8 @@ def gated_group_rms_norm(y_BTGHP, z_BTGHP, weight_GHP, eps: float, head_mask_GH=
     ms = jnp.mean(jnp.square(g), axis=(-2, -1), keepdims=True)
     out = g * jax.lax.rsqrt(ms + eps) * w
   else:
-    m = jnp.broadcast_to(head_mask_GH.astype(jnp.float32)[..., None], w.shape)
+    m = head_mask_GH.astype(jnp.float32)
+    m = jnp.broadcast_to(m if m.ndim == w.ndim else m[..., None], w.shape)
     ms = (jnp.sum(jnp.square(g) * m, axis=(-2, -1), keepdims=True)
           / jnp.sum(m, axis=(-2, -1), keepdims=True))
     out = g * jax.lax.rsqrt(ms + eps) * w * m

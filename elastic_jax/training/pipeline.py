@@ -26,7 +26,7 @@ from elastic_jax.training.metrics import MetricsWriter
 from elastic_jax.model.model import init, param_shapes
 from elastic_jax.parallel import mesh as mesh_lib
 from elastic_jax.parallel import sharding as shd
-from elastic_jax.elastic.nesting import nest
+from elastic_jax.elastic.nesting import nest, nested_config
 
 
 # Run-config fields with a range: (field, type, low, high, low inclusive). `int` fields must be
@@ -227,12 +227,15 @@ def load_data(run: Run, cfg: ModelConfig, data_files: Sequence[str] = ()) -> dat
 
 def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=None):
   """(a) + (b): the parent (pretrained here unless given), ranked and nested; saved to parent/
-  and loaded from there on re-runs."""
+  and loaded from there on re-runs. Returns (params, config): with elastic depth the config
+  gains the layer ranking (`depth_order`), which every later step reads."""
   c, path = run.config, os.path.join(run.workdir, "parent")
   if os.path.isdir(path):
-    teacher, _ = checkpoint.restore(path, expected_config=cfg)
+    saved = checkpoint.load_config(path)
+    teacher, cfg = checkpoint.restore(path, expected_config=cfg.replace(
+        depth_order=saved.depth_order))
     print(f"parent: loaded the nested parent from {path}", flush=True)
-    return teacher
+    return teacher, cfg
   L1, B = run.seq_lens[0], c.data.batch
   params = hf_params
   if params is None:
@@ -244,10 +247,11 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
   calib_it = td.iterator(L1, B, rng.seed_for(c.seed, "calib_data"))
   calib = [next(calib_it)[:, :-1] for _ in range(c.elastic.calib_batches)]
   # The elastic phase's MoE dispatch: any sparse one collects from the routed tokens alone.
-  teacher = nest(params, cfg, compute_importance(params, cfg, calib, moe_impl=c.elastic.moe_impl))
+  scores = compute_importance(params, cfg, calib, moe_impl=c.elastic.moe_impl)
+  teacher, cfg = nest(params, cfg, scores), nested_config(cfg, scores)
   checkpoint.save(path, teacher, cfg, tokenizer=run.tokenizer_path, overwrite=True)
   print(f"parent: ranked and nested, saved to {path}", flush=True)
-  return teacher
+  return teacher, cfg
 
 
 def cost_model(config) -> measures.CostModel:
