@@ -48,8 +48,11 @@ def test_standard_and_elastic_match_naive(cfg, params, masked_family):
   prompts = [list(toks[0, :6]), list(toks[1, :3])]
   full, small = masked_family.get("full"), masked_family.get("small")
   assert masked_family.get("small") is small and masked_family.names == ["full", "small"]
-  # </think> := what the small slice writes second on row 0, so one trace ends by itself.
-  end_think = naive_greedy(params, cfg, prompts[0], 2, from_counts(cfg, SMALL))[1]
+  # </think> := the first new token the small slice writes after its first on row 0, so one
+  # trace ends by itself after `n_think` tokens.
+  out = naive_greedy(params, cfg, prompts[0], CAP, from_counts(cfg, SMALL))
+  n_think = next(j for j in range(1, CAP) if out[j] not in out[:j])
+  end_think = out[n_think]
   eos = 0
   for think, answer, mode in ((full, full, "standard"), (small, full, "reprefill"),
                               (small, small, "standard")):
@@ -62,7 +65,7 @@ def test_standard_and_elastic_match_naive(cfg, params, masked_family):
       assert (r.think, r.answer, r.capped, r.mode) == (trace, ans, capped, mode)
       assert s[:len(trace) + 1] == trace + [end_think]
     if think is small:
-      assert not res[0].capped and len(res[0].think) == 1
+      assert not res[0].capped and len(res[0].think) == n_think
 
 
 def test_transplant_sliced_equals_masked(cfg, params, masked_family):

@@ -330,7 +330,7 @@ def test_prefix_restore_lands_on_its_target_shardings(cfg, params, mesh, tmp_pat
   from elastic_jax.elastic.axes import AXES
   from elastic_jax.io import checkpoint
   name = cfg.budget_names[-1]
-  counts = {n: a.choices(cfg)[1] for n, a in AXES.items()}
+  counts = {n: a.choices(cfg)[min(1, len(a.choices(cfg)) - 1)] for n, a in AXES.items()}
   path = checkpoint.save(str(tmp_path / "nested"), params, cfg, budget_counts={name: counts})
   one, small = checkpoint.restore(path, name)
   many, small_many = checkpoint.restore(path, name, sharding=mesh)

@@ -84,7 +84,7 @@ def test_pipeline_end_to_end(reference):
     assert got["deployed"]["active"]["target"] == r["target"]
     assert got["deployed"]["active"]["ratio"] == pytest.approx(r["active_ratio"], rel=1e-6)
     assert abs(got["deployed"]["active"]["error"]) <= 0.05
-    assert set(got["argmax"]) == {"active"} and set(got["argmax_counts"]) == set(r["counts"])
+    assert set(got["argmax"]) == {"active"} and set(r["counts"]) <= set(got["argmax_counts"])
   small, small_cfg = checkpoint.restore(os.path.join(workdir, "nested"), "small")
   counts = meta["budget_counts"]["small"]
   # The restored sub-model has the router's chosen sizes (per the stored table), not the parent's.

@@ -18,6 +18,8 @@ import dataclasses
 import numbers
 from typing import Any, Mapping, Sequence
 
+import jax.numpy as jnp
+
 from elastic_jax.config import CHOICE_FIELDS, PER_LAYER_FIELDS, ModelConfig
 
 
@@ -189,7 +191,6 @@ def layer_keep(config: ModelConfig, counts: dict[str, tuple]) -> list:
   n = counts["depth"][0]
   if isinstance(n, numbers.Number):
     return [1 if r < n else 0 for r in config.layer_ranks]
-  import jax.numpy as jnp
   return [jnp.clip(n - r, 0.0, 1.0) for r in config.layer_ranks]
 
 

@@ -84,9 +84,11 @@ def budget_onehot(config: ModelConfig, budget) -> jax.Array:
 
 
 def logits(router_params: dict, onehot, config: ModelConfig, rc: RouterConfig) -> dict:
-  """{axis: [rows, n_choices]} unscaled router logits."""
+  """{axis: [rows, n_choices]} unscaled router logits, in `AXES` order (not the sorted order
+  a jit argument's dict comes back in), so per-axis random keys follow the axis, not its name."""
   out = {}
-  for name, p in router_params.items():
+  for name in (n for n in AXES if n in router_params):
+    p = router_params[name]
     h = jax.nn.leaky_relu(onehot @ p["w1"], 0.1)
     out[name] = (h @ p["w2"]).reshape(_rows(config, rc, name), -1)
   return out

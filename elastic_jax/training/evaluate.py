@@ -48,7 +48,8 @@ def answer_accuracy(params, config: ModelConfig, tokenizer, examples: Sequence[M
 def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str, Any]],
            val_rows, tokenizer, examples: Sequence[Mapping] = (), *,
            max_think_tokens: int = 48, max_answer_tokens: int = 8) -> list[dict]:
-  """One row per budget: counts, total / active params and ratio, val loss / ppl, accuracy."""
+  """One row per budget: counts (of the elastic axes, those with more than one choice), total /
+  active params and ratio, val loss / ppl, accuracy."""
   full = count_params(config)
   rows = []
   for name, counts in budget_counts.items():
@@ -60,7 +61,7 @@ def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str,
     rows.append({"budget": name, "target": config.budget_fraction(name),
                  "targets": config.budget_targets(name),
                  "counts": {a: list(v) if isinstance(v, tuple) else int(v)
-                            for a, v in counts.items()},
+                            for a, v in counts.items() if len(AXES[a].choices(config)) > 1},
                  "total_params": pc.total, "active_params": pc.active,
                  "active_ratio": pc.active / full.active,
                  "total_ratio": pc.total / full.total, "val_loss": loss,
@@ -69,13 +70,13 @@ def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str,
 
 
 def markdown_table(rows: Sequence[Mapping]) -> str:
-  """The per-budget table (see `report`) as markdown."""
-  axes = list(AXES)
+  """The per-budget table (see `report`) as markdown: counts of the axes the rows carry."""
+  axes = [a for a in AXES if any(a in r["counts"] for r in rows)]
   out = [f"| budget | target | counts ({', '.join(axes)}) | total params | active params | "
          "active ratio | val loss | val ppl | answer acc |",
          "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
-    counts = ", ".join(str(r["counts"][a]) for a in axes)
+    counts = ", ".join(str(r["counts"].get(a, "-")) for a in axes)
     targets = r.get("targets") or {"active": r["target"]}
     target = (f"{r['target']:.2f}" if list(targets) == ["active"] else
               ", ".join(f"{m} {f:.2f}" for m, f in targets.items()))
