@@ -1,0 +1,88 @@
+"""`QTensor`: one quantized weight that slices like the float weight it stands for.
+
+A QTensor sits in a params tree where the float leaf was. It reports the float leaf's `shape`
+and takes the same prefix slices (`q[:a, :b]`), applied to its packed codes and block scales
+(the block axis in units of 2 and 16), so `slicing.slice_params` cuts a quantized parent into a
+quantized sub-model with no code of its own, and dequant(slice(q)) == slice(dequant(q)) exactly:
+a budget is a prefix of the parent's codes and scales, never a re-quantization.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.quant import formats
+
+FORMATS = ("fp8", "nvfp4")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["codes", "block_scale", "global_scale"],
+                   meta_fields=["fmt", "axis", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+  """fp8: `codes` float8_e4m3fn (the float shape), `block_scale` None, `global_scale` the
+  per-tensor scale. nvfp4: `codes` uint8 (two per byte along `axis`), `block_scale`
+  float8_e4m3fn (one per 16 along `axis`), `global_scale` f32 []. `dtype`: the float leaf's."""
+  codes: jax.Array
+  block_scale: jax.Array | None
+  global_scale: jax.Array
+  fmt: str
+  axis: int
+  dtype: str
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    s = list(self.codes.shape)
+    if self.fmt == "nvfp4":
+      s[self.axis] *= 2
+    return tuple(s)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.codes.shape)
+
+  def __getitem__(self, index) -> "QTensor":
+    """Prefix slices only (`slice(0, n)` or `slice(None)` per dim), as nesting cuts."""
+    index = index if isinstance(index, tuple) else (index,)
+    stops = []
+    for d, (s, size) in enumerate(zip(index + (slice(None),) * (self.ndim - len(index)),
+                                      self.shape)):
+      if not isinstance(s, slice) or s.start not in (None, 0) or s.step not in (None, 1):
+        raise IndexError(f"QTensor takes prefix slices only, got {s!r} on dim {d}")
+      stops.append(size if s.stop is None else min(s.stop, size))
+    if self.fmt == "fp8":
+      return dataclasses.replace(self, codes=self.codes[tuple(slice(0, n) for n in stops)])
+    n = stops[self.axis]
+    if n % formats.BLOCK:
+      raise ValueError(f"nvfp4: a slice to {n} on the block axis (dim {self.axis} of "
+                       f"{self.shape}) is not a multiple of {formats.BLOCK}")
+    cut = lambda div: tuple(slice(0, m // div if d == self.axis else m)
+                            for d, m in enumerate(stops))
+    return dataclasses.replace(self, codes=self.codes[cut(2)],
+                               block_scale=self.block_scale[cut(formats.BLOCK)])
+
+  def dequantize(self, dtype=None) -> jax.Array:
+    dtype = dtype or self.dtype
+    if self.fmt == "fp8":
+      return formats.fp8_dequantize(self.codes, self.global_scale, dtype)
+    return formats.nvfp4_dequantize(self.codes, self.block_scale, self.global_scale, self.axis,
+                                    dtype)
+
+
+def quantize(w, fmt: str, axis: int = 0) -> QTensor:
+  """`w` as a QTensor in `fmt` ("fp8" | "nvfp4"; nvfp4 blocks of 16 along `axis`)."""
+  dtype = jnp.dtype(w.dtype).name
+  if fmt == "fp8":
+    codes, scale = formats.fp8_quantize(w)
+    return QTensor(codes, None, scale, "fp8", axis, dtype)
+  if fmt == "nvfp4":
+    return QTensor(*formats.nvfp4_quantize(w, axis), "nvfp4", axis % w.ndim, dtype)
+  raise ValueError(f"quant format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+def is_qtensor(x) -> bool:
+  return isinstance(x, QTensor)

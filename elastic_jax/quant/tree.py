@@ -1,0 +1,124 @@
+"""Which params are quantized and how: a whole params tree to QTensors, back, or fake-quantized.
+
+A leaf is chosen by its name (the last key: "up", "out_proj", "lm_head", ...; `DEFAULT_LEAVES`
+are the expert, MLP, Mamba and attention projections, as ModelOpt's NVFP4 recipes quantize).
+Embeddings, norms, the MoE router, convs and A_log / D / dt_bias stay in high precision unless
+listed. NVFP4's block axis is the innermost input (contracted) dim, read off the leaf's logical
+axis names: a leaf writing the residual stream ("embed" last: out_proj, o, down) contracts the
+dims before it, the innermost being the one just before "embed"; every other projection reads
+the residual stream on its "embed" dim. For nesting, that dim and each of its elastic choices
+must be a multiple of 16 (`check`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.elastic.axes import map_param_leaves, uses_for
+from elastic_jax.model.model import logical_axes, param_shapes
+from elastic_jax.quant import formats
+from elastic_jax.quant.qtensor import FORMATS, QTensor, is_qtensor, quantize
+
+DEFAULT_LEAVES = ("q", "k", "v", "o", "in_x", "in_z", "in_B", "in_C", "in_dt", "out_proj",
+                  "up", "down", "shared_up", "shared_down")
+NEVER = ("embed", "scale", "norm", "A_log", "D", "dt_bias", "conv_x", "conv_B", "conv_C",
+         "conv_x_bias", "conv_B_bias", "conv_C_bias", "router_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  """`fmt`: "fp8" | "nvfp4"; `leaves`: names of the leaves to quantize."""
+  fmt: str = "nvfp4"
+  leaves: tuple[str, ...] = DEFAULT_LEAVES
+
+  def __post_init__(self):
+    if self.fmt not in FORMATS:
+      raise ValueError(f"quant format {self.fmt!r}: expected one of {', '.join(FORMATS)}")
+    bad = sorted(set(self.leaves) & set(NEVER))
+    if bad:
+      raise ValueError(f"quant leaves {bad} are not matmul weights; quantizable: any of "
+                       f"{', '.join(DEFAULT_LEAVES)}, router, lm_head")
+
+
+def block_axis(names: tuple) -> int:
+  """The innermost contracted dim of a weight with logical axis `names` (see module doc)."""
+  names = tuple(names)
+  if "embed" not in names:
+    raise ValueError(f"no 'embed' dim in logical axes {names}: not a projection of the "
+                     "residual stream")
+  return len(names) - 2 if names[-1] == "embed" and len(names) > 1 else names.index("embed")
+
+
+def _chosen(spec: QuantSpec, path: tuple) -> bool:
+  return path[-1] in spec.leaves
+
+
+def plan(config: ModelConfig, spec: QuantSpec) -> dict:
+  """{(layer or None, path): block axis} of every leaf `spec` quantizes."""
+  out = {}
+  logical = logical_axes(config)
+
+  def visit(kind, layer, path, names):
+    if _chosen(spec, path):
+      out[(layer, path)] = block_axis(tuple(names))
+    return names
+
+  map_param_leaves(config, logical, visit)
+  return out
+
+
+def check(config: ModelConfig, spec: QuantSpec) -> None:
+  """Raises ValueError (one line naming the leaf, dim and sizes) where nvfp4 nesting breaks: a
+  block dim, or a size one of its elastic choices gives it, that is not a multiple of 16."""
+  if spec.fmt != "nvfp4":
+    return
+  shapes = param_shapes(config)
+  where = plan(config, spec)
+
+  def visit(kind, layer, path, leaf):
+    if (layer, path) not in where:
+      return leaf
+    b = where[(layer, path)]
+    sizes = {leaf.shape[b]}
+    for axis, use in uses_for(kind, path):
+      if use.dim == b:
+        sizes |= {int(axis.dim_size(c, config)) for c in axis.choices(config)}
+    bad = sorted(s for s in sizes if s % formats.BLOCK)
+    if bad:
+      name = ".".join(path) if layer is None else f"layers.{layer}.{'.'.join(path)}"
+      raise ValueError(f"nvfp4: {name} dim {b} takes sizes {sorted(sizes)}; {bad} not a "
+                       f"multiple of {formats.BLOCK} (change the choices or drop "
+                       f"{path[-1]!r} from the quantized leaves)")
+    return leaf
+
+  map_param_leaves(config, shapes, visit)
+
+
+def quantize_params(params, config: ModelConfig, spec: QuantSpec):
+  """The params tree with a QTensor at every leaf `spec` chooses (canonical layout)."""
+  check(config, spec)
+  where = plan(config, spec)
+  return map_param_leaves(config, params, lambda kind, layer, path, leaf: (
+      quantize(leaf, spec.fmt, where[(layer, path)]) if (layer, path) in where else leaf))
+
+
+def dequantize_params(qparams, dtype=None):
+  """Every QTensor back to its float values (in its own dtype, or `dtype`)."""
+  return jax.tree.map(lambda x: x.dequantize(dtype) if is_qtensor(x) else x, qparams,
+                      is_leaf=is_qtensor)
+
+
+def fake_quant_params(params, config: ModelConfig, spec: QuantSpec):
+  """Float params whose chosen leaves carry the quantized values with a straight-through
+  gradient (quantization-aware training); equal to dequantize_params(quantize_params(...))."""
+  check(config, spec)
+  where = plan(config, spec)
+  return map_param_leaves(config, params, lambda kind, layer, path, leaf: (
+      formats.fake_quant(leaf, spec.fmt, where[(layer, path)]) if (layer, path) in where
+      else leaf))
+
+
+__all__ = ["DEFAULT_LEAVES", "QTensor", "QuantSpec", "block_axis", "check", "dequantize_params",
+           "fake_quant_params", "plan", "quantize_params"]

@@ -1,0 +1,161 @@
+"""FP8 / NVFP4 numerics against ml_dtypes, and quantized nesting: a budget is a prefix of the
+quantized parent (dequant(slice(q)) == slice(dequant(q)) bit for bit, on every axis)."""
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from configs.tiny import MODEL
+from elastic_jax import init
+from elastic_jax.elastic.axes import AXES
+from elastic_jax.elastic.slicing import slice_params
+from elastic_jax.quant import formats
+from elastic_jax.quant.qtensor import QTensor, quantize
+from elastic_jax.quant.tree import (QuantSpec, block_axis, check, dequantize_params,
+                                    fake_quant_params, plan, quantize_params)
+
+# The tiny config, every axis elastic, every nvfp4 block dim and choice a multiple of 16.
+QCFG = MODEL.replace(hidden_size=64, hidden_choices=(64, 48, 32), moe_intermediate_size=48,
+                     moe_ffn_choices=(48, 32, 16), moe_shared_expert_intermediate_size=32,
+                     vocab_size=128, attention_head_choices=(4, 2), mamba_head_dim=32,
+                     mamba_head_dim_choices=(32, 16), depth_choices=(8, 7, 6))
+
+
+@pytest.fixture(scope="module")
+def qparams_f32():
+  return init(QCFG, jax.random.PRNGKey(0))
+
+
+def test_e2m1_encode_matches_ml_dtypes():
+  """Every value on a 1/64 grid over [-8, 8] (all ties included): our code's value equals
+  ml_dtypes' float4_e2m1fn cast (round to nearest even, saturating), and decode inverts."""
+  y = np.arange(-8 * 64, 8 * 64 + 1, dtype=np.float32) / 64
+  want = y.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+  got = np.asarray(formats.e2m1_decode(formats.e2m1_encode(jnp.asarray(y))))
+  np.testing.assert_array_equal(got, want)
+  codes = np.arange(16, dtype=np.uint8)
+  vals = np.asarray(formats.e2m1_decode(jnp.asarray(codes)))
+  np.testing.assert_array_equal(np.asarray(formats.e2m1_encode(jnp.asarray(vals)))[vals != 0],
+                                codes[vals != 0])
+
+
+def test_pack_even_element_low_nibble():
+  codes = jnp.asarray([[1, 2, 15, 0]], jnp.uint8)
+  packed = formats.pack_nibbles(codes)
+  np.testing.assert_array_equal(np.asarray(packed), [[0x21, 0x0F]])
+  np.testing.assert_array_equal(np.asarray(formats.unpack_nibbles(packed)), np.asarray(codes))
+
+
+def test_nvfp4_scales_and_values():
+  """global = amax / (6 * 448); block scale = e4m3(block_amax / (6 * global)); each value the
+  nearest-even E2M1 code of x / (block scale * global); blocks along the chosen axis."""
+  rng = np.random.RandomState(0)
+  w = (rng.randn(32, 3) * np.exp(rng.randn(32, 1))).astype(np.float32)   # blocks along dim 0
+  packed, bs, g = formats.nvfp4_quantize(jnp.asarray(w), 0)
+  chex.assert_shape(packed, (16, 3))
+  chex.assert_shape(bs, (2, 3))
+  assert packed.dtype == jnp.uint8 and bs.dtype == jnp.float8_e4m3fn
+  np.testing.assert_allclose(float(g), np.abs(w).max() / (6 * 448), rtol=1e-7)
+  block_amax = np.abs(w.reshape(2, 16, 3)).max(1)
+  want_bs = (block_amax / (6 * np.float32(g))).astype(ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(np.asarray(bs).astype(np.float32), want_bs.astype(np.float32))
+  step = np.repeat(want_bs.astype(np.float32), 16, 0) * np.float32(g)
+  want = (w / step).astype(ml_dtypes.float4_e2m1fn).astype(np.float32) * step
+  np.testing.assert_array_equal(np.asarray(formats.nvfp4_dequantize(packed, bs, g, 0)), want)
+  assert np.abs(np.asarray(formats.nvfp4_dequantize(packed, bs, g, 0)) - w).max() <= \
+      np.abs(w).max() / 6       # the error stays within a step of the largest block
+  with pytest.raises(ValueError, match="not a multiple of 16"):
+    formats.nvfp4_quantize(jnp.zeros((24, 3)), 0)
+
+
+def test_fp8_per_tensor():
+  w = jnp.asarray(np.random.RandomState(1).randn(8, 5).astype(np.float32))
+  codes, scale = formats.fp8_quantize(w)
+  assert codes.dtype == jnp.float8_e4m3fn
+  np.testing.assert_allclose(float(scale), float(jnp.abs(w).max()) / 448, rtol=1e-7)
+  want = (np.asarray(w) / np.float32(scale)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(codes).astype(np.float32), want)
+  np.testing.assert_allclose(np.asarray(formats.fp8_dequantize(codes, scale)), np.asarray(w),
+                             rtol=2 ** -4, atol=float(scale) * 2 ** -9)
+
+
+def test_fake_quant_value_and_straight_through_gradient():
+  w = jnp.asarray(np.random.RandomState(2).randn(4, 32).astype(np.float32))
+  for fmt in ("fp8", "nvfp4"):
+    q = quantize(w, fmt, 1)
+    np.testing.assert_array_equal(np.asarray(formats.fake_quant(w, fmt, 1)),
+                                  np.asarray(q.dequantize()))
+    c = jnp.arange(w.size, dtype=jnp.float32).reshape(w.shape)
+    g = jax.grad(lambda x: jnp.sum(formats.fake_quant(x, fmt, 1) * c))(w)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
+
+
+def test_block_axis_from_logical_names():
+  assert block_axis(("embed", "mamba_groups", "mamba_heads", "mamba_head_dim")) == 0   # in_x
+  assert block_axis(("mamba_groups", "mamba_heads", "mamba_head_dim", "embed")) == 2   # out_proj
+  assert block_axis(("q_heads", "head_dim", "embed")) == 1                              # o
+  assert block_axis(("experts", "embed", "expert_mlp")) == 1                            # up
+  assert block_axis(("experts", "expert_mlp", "embed")) == 1                            # down
+  assert block_axis(("embed", "vocab")) == 0                                            # lm_head
+
+
+def test_which_leaves_are_quantized(qparams_f32):
+  q = quantize_params(qparams_f32, QCFG, QuantSpec("nvfp4"))
+  flat = {jax.tree_util.keystr(p): x for p, x in
+          jax.tree_util.tree_flatten_with_path(q, is_leaf=lambda x: isinstance(x, QTensor))[0]}
+  quantized = {k.split("'")[-2] for k, x in flat.items() if isinstance(x, QTensor)}
+  assert quantized == {"q", "k", "v", "o", "in_x", "in_z", "in_B", "in_C", "in_dt", "out_proj",
+                       "up", "down", "shared_up", "shared_down"}
+  for k, x in flat.items():      # embeddings, norms, router, convs, SSM params untouched
+    if not isinstance(x, QTensor):
+      assert x.dtype == jnp.float32, k
+  assert len(plan(QCFG, QuantSpec("nvfp4", ("lm_head",)))) == 1
+  with pytest.raises(ValueError, match=r"\['A_log'\] are not matmul weights"):
+    QuantSpec("nvfp4", ("up", "A_log"))
+  with pytest.raises(ValueError, match="quant format 'int4': expected one of fp8, nvfp4"):
+    QuantSpec("int4")
+
+
+def test_nvfp4_refuses_choices_off_the_block_grid():
+  bad = QCFG.replace(moe_ffn_choices=(48, 40, 16))
+  with pytest.raises(ValueError, match=r"layers\.1\.mixer\.down dim 1 takes sizes \[16, 40, 48\]"
+                                       r"; \[40\] not a multiple of 16"):
+    check(bad, QuantSpec("nvfp4"))
+  check(bad, QuantSpec("fp8"))                 # per-tensor scales: any prefix nests
+  check(bad, QuantSpec("nvfp4", ("q", "k")))   # those leaves never see moe_ffn
+
+
+def _budgets():
+  """Each elastic axis alone at its smallest choice, then all of them at once."""
+  small = {n: a.choices(QCFG)[-1] for n, a in AXES.items() if len(a.choices(QCFG)) > 1}
+  return [{n: c} for n, c in small.items()] + [small]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_quantized_budget_is_a_prefix_of_the_parent(qparams_f32, fmt):
+  """dequant(slice(quantized parent)) == slice(dequant(quantized parent)) bit for bit, per
+  axis and for all at once; the sliced QTensors are prefixes of the parent's codes and scales."""
+  q = quantize_params(qparams_f32, QCFG, QuantSpec(fmt))
+  dq = dequantize_params(q)
+  for counts in _budgets():
+    small_q, cfg_q = slice_params(q, QCFG, counts)
+    small_dq, cfg_dq = slice_params(dq, QCFG, counts)
+    assert cfg_q == cfg_dq
+    chex.assert_trees_all_equal(dequantize_params(small_q), small_dq)
+  up = small_q["layers"]["1"]["mixer"]["up"]
+  full_up = q["layers"]["1"]["mixer"]["up"]
+  assert isinstance(up, QTensor) and up.shape == small_dq["layers"]["1"]["mixer"]["up"].shape
+  np.testing.assert_array_equal(np.asarray(up.codes),
+                                np.asarray(full_up.codes[tuple(slice(0, n) for n in
+                                                               up.codes.shape)]))
+
+
+def test_qtensor_refuses_non_prefix_slices(qparams_f32):
+  q = quantize(qparams_f32["layers"]["1"]["mixer"]["up"], "nvfp4", 1)
+  with pytest.raises(IndexError, match="prefix slices only"):
+    q[1:]
+  with pytest.raises(ValueError, match="not a multiple of 16"):
+    q[:, :24]
+  assert q[:, :32].shape == (q.shape[0], 32, q.shape[2])
