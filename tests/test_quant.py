@@ -114,6 +114,8 @@ def test_which_leaves_are_quantized(qparams_f32):
   assert len(plan(QCFG, QuantSpec("nvfp4", ("lm_head",)))) == 1
   with pytest.raises(ValueError, match=r"\['A_log'\] are not matmul weights"):
     QuantSpec("nvfp4", ("up", "A_log"))
+  with pytest.raises(ValueError, match=r"\['upp'\] are not matmul weights; quantizable: any of q, k"):
+    QuantSpec("nvfp4", ("upp",))
   with pytest.raises(ValueError, match="quant format 'int4': expected one of fp8, nvfp4"):
     QuantSpec("int4")
 

@@ -23,8 +23,7 @@ from elastic_jax.quant.qtensor import FORMATS, QTensor, is_qtensor, quantize
 
 DEFAULT_LEAVES = ("q", "k", "v", "o", "in_x", "in_z", "in_B", "in_C", "in_dt", "out_proj",
                   "up", "down", "shared_up", "shared_down")
-NEVER = ("embed", "scale", "norm", "A_log", "D", "dt_bias", "conv_x", "conv_B", "conv_C",
-         "conv_x_bias", "conv_B_bias", "conv_C_bias", "router_bias")
+QUANTIZABLE = DEFAULT_LEAVES + ("router", "lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +35,10 @@ class QuantSpec:
   def __post_init__(self):
     if self.fmt not in FORMATS:
       raise ValueError(f"quant format {self.fmt!r}: expected one of {', '.join(FORMATS)}")
-    bad = sorted(set(self.leaves) & set(NEVER))
+    bad = sorted(set(self.leaves) - set(QUANTIZABLE))
     if bad:
       raise ValueError(f"quant leaves {bad} are not matmul weights; quantizable: any of "
-                       f"{', '.join(DEFAULT_LEAVES)}, router, lm_head")
+                       f"{', '.join(QUANTIZABLE)}")
 
 
 def block_axis(names: tuple) -> int:
