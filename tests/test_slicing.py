@@ -15,13 +15,19 @@ COUNTS = [
 ]
 
 
+def _sliced_equals_masked(config, params, tokens, counts):
+  """The slice's counts agree with the counter and its logits with the masked parent's."""
+  small, small_cfg = slice_params(params, config, counts)
+  assert count_leaves(small) == count_params(config, counts).total == count_params(small_cfg).total
+  assert count_params(small_cfg).active == count_params(config, counts).active
+  masked = apply(params, tokens, from_counts(config, counts), config=config)
+  np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
+  return small, small_cfg
+
+
 @pytest.mark.parametrize("counts", COUNTS, ids=["homogeneous", "per_layer"])
 def test_sliced_equals_masked(cfg, params, tokens, counts):
-  small, small_cfg = slice_params(params, cfg, counts)
-  assert count_leaves(small) == count_params(cfg, counts).total == count_params(small_cfg).total
-  assert count_params(small_cfg).active == count_params(cfg, counts).active
-  masked = apply(params, tokens, from_counts(cfg, counts), config=cfg)
-  np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
+  _sliced_equals_masked(cfg, params, tokens, counts)
 
 
 @pytest.mark.parametrize("counts", [{"attention_heads": 2, "mamba_head_dim": 3, "hidden": 24},
@@ -29,11 +35,7 @@ def test_sliced_equals_masked(cfg, params, tokens, counts):
                                      "mamba_heads": (6, 8)}], ids=["homogeneous", "per_layer"])
 def test_query_heads_and_head_dim_slices(cfg_x, params, tokens, counts):
   """The axes beyond the paper slice, count and re-slice like the others."""
-  small, small_cfg = slice_params(params, cfg_x, counts)
-  assert count_leaves(small) == count_params(cfg_x, counts).total == count_params(small_cfg).total
-  assert count_params(small_cfg).active == count_params(cfg_x, counts).active
-  masked = apply(params, tokens, from_counts(cfg_x, counts), config=cfg_x)
-  np.testing.assert_allclose(apply(small, tokens, config=small_cfg), masked, rtol=1e-5, atol=1e-5)
+  small, small_cfg = _sliced_equals_masked(cfg_x, params, tokens, counts)
   if isinstance(counts["mamba_head_dim"], tuple):
     assert small_cfg.mamba_head_dim_per_layer == (4, 2) and small_cfg.mamba_head_dim == 4
     assert small["layers"]["4"]["mixer"]["out_proj"].shape == (2, 4, 2, 32)
