@@ -3,11 +3,12 @@
 import ml_collections
 
 from elastic_jax.parallel.rules import DEFAULT_RULES
+from elastic_jax.quant.tree import DEFAULT_LEAVES
 
 
 def defaults() -> ml_collections.ConfigDict:
-  """Sections: data, pretrain (the parent), elastic (KD + router), router, eval, checkpoint,
-  parallel (device mesh and logical-axis sharding rules)."""
+  """Sections: data, pretrain (the parent), elastic (KD + router), router, quant (quantized
+  family), eval, checkpoint, parallel (device mesh and logical-axis sharding rules)."""
   return ml_collections.ConfigDict({
       "seed": 0,
       "log_every": 25,
@@ -58,6 +59,12 @@ def defaults() -> ml_collections.ConfigDict:
           "cost": {"weight_format": "bfloat16", "batch": 1, "prompt_len": 1024,
                    "decode_len": 1024},
       },
+      # Quantized family after elastic training: "" (none), "fp8" or "nvfp4". The trained family
+      # is quantized once (every budget a prefix of its codes and scales) after `qad_steps` of
+      # quantization-aware distillation (0: post-training quantization only), saved to
+      # nested_<format>/ and evaluated per budget. Leaves by name (elastic_jax/quant/tree.py).
+      "quant": {"format": "", "leaves": DEFAULT_LEAVES, "qad_steps": 100, "lr": 1e-4,
+                "warmup": 10},
       "eval": {"n_reasoning": 64, "sources": ("chain_arithmetic",), "max_think_tokens": 48,
                "max_answer_tokens": 8},
       "checkpoint": {"save_every": 50, "keep": 2},

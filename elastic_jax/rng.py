@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 STREAMS = ("init", "router_init", "gumbel", "corpus", "pretrain_data", "calib_data",
-           "stage1_data", "stage2_data", "budget", "eval", "sampling", "tokens")
+           "stage1_data", "stage2_data", "budget", "eval", "sampling", "tokens", "qad_budget",
+           "qad_data")
 
 
 def _stream_id(stream: str) -> int:

@@ -1,5 +1,6 @@
 """The main job: parent -> importance + nesting -> elastic KD with the budget router -> one nested
-checkpoint -> per-budget report.
+checkpoint -> per-budget report; with `--config.quant.format=nvfp4` (or fp8) also the quantized
+family (QAD, one quantized nested checkpoint) and its report.
 
   python -m elastic_jax.train                                   # tiny default, embedded corpus
   python -m elastic_jax.train --config.elastic.stage1_steps=300 # any config field by flag
@@ -57,13 +58,23 @@ def main(argv):
   rows = evaluate.report(family.params, cfg, family.budget_counts, td.val, td.tokenizer,
                          pipeline.held_out(run), max_think_tokens=ev.max_think_tokens,
                          max_answer_tokens=ev.max_answer_tokens)
+  tables = [("nested", rows)]
+  qparams = pipeline.quantized_family(run, cfg, family, td)
+  if qparams is not None:
+    fmt = run.config.quant.format
+    qrows = evaluate.report(qparams, cfg, family.budget_counts, td.val, td.tokenizer,
+                            pipeline.held_out(run), max_think_tokens=ev.max_think_tokens,
+                            max_answer_tokens=ev.max_answer_tokens)
+    tables.append((f"nested_{fmt}", [{**r, "format": fmt} for r in qrows]))
   run.writer.forget("report")  # a re-run reports again
-  for r in rows:
-    run.writer.write("report", **r)
+  for _, table in tables:
+    for r in table:
+      run.writer.write("report", **r)
   run.writer.close()
-  print(f"\nnested checkpoint: {os.path.join(run.workdir, 'nested')}  "
-        f"({time.perf_counter() - t_start:.0f}s total)")
-  print(evaluate.markdown_table(rows))
+  for name, table in tables:
+    print(f"\n{name} checkpoint: {os.path.join(run.workdir, name)}")
+    print(evaluate.markdown_table(table))
+  print(f"\n({time.perf_counter() - t_start:.0f}s total)")
 
 
 if __name__ == "__main__":

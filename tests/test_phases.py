@@ -1,6 +1,10 @@
 """Training phases: the budget schedule, a short elastic run (router and model both trained) and
 fixed-student distillation."""
 import collections
+import dataclasses
+import os
+
+import chex
 
 import jax
 import jax.numpy as jnp
@@ -195,3 +199,53 @@ def test_elastic_step_trains_every_target_of_a_budget(cfg, params):
     assert float(m["out_of_band"]) > 0
     np.testing.assert_allclose(loss, m["kd"] + m["budget_loss"] + m["out_of_band"], rtol=1e-6)
   assert out["multi"] > out["active"], out
+
+
+QAD_COUNTS = {"full": {}, "small": {"hidden": 24, "mamba_heads": 4, "moe_experts": 6,
+                                    "moe_ffn": 12}}
+
+
+def test_qad_student_is_the_quantized_slice(cfg, params):
+  """The QAD loss at a budget is the KL from the unquantized family's sub-model to the slice of
+  the quantized parent (fake quant of the whole parent under the budget's hard masks), and its
+  gradient reaches the quantized weights straight through."""
+  from elastic_jax.quant.tree import QuantSpec, dequantize_params, quantize_params
+  spec = QuantSpec("fp8")
+  loss_fn = jax.jit(phases.qad_step_loss(cfg, spec, phases.budget_mask_table(cfg, QAD_COUNTS)))
+  x = _rows(cfg, n=4)
+  got, metrics = loss_fn(params, x, params, 1)
+  small, small_cfg = slice_params(params, cfg, QAD_COUNTS["small"])
+  qsmall, _ = slice_params(quantize_params(params, cfg, spec), cfg, QAD_COUNTS["small"])
+  want = phases.forward_kl(phases.apply(small, x[:, :-1], config=small_cfg),
+                           phases.apply(dequantize_params(qsmall), x[:, :-1], config=small_cfg))
+  assert float(want) > 1e-7 and float(got) == pytest.approx(float(want), rel=1e-3)
+  np.testing.assert_array_equal(np.asarray(metrics["n_by_budget"]), [0.0, 1.0])
+  g = jax.grad(lambda p: loss_fn(p, x, params, 1)[0])(params)
+  assert float(jnp.abs(g["layers"]["0"]["mixer"]["in_x"]).max()) > 0
+  with pytest.raises(ValueError, match=r"budget_counts lack budgets \['small'\]"):
+    phases.budget_mask_table(cfg, {"full": {}})
+
+
+def test_qad_phase_resumes_exactly(cfg, params, tmp_path):
+  """QAD is a resumable phase: stopped after 2 of 4 steps and run again, it ends where an
+  uninterrupted run does, logging the KD per budget."""
+  from elastic_jax.quant.tree import QuantSpec
+  sched = phases.ElasticSchedule(len(cfg.budgets), 4, 0, p_full=0.5, stage2_probs=(0.5, 0.5),
+                                 micro_batches=2)
+  rows = _rows(cfg, n=16)
+  run = lambda loop: phases.qad(params, cfg, QAD_COUNTS, QuantSpec("fp8"), sched,
+                                iter(data.make_dataset(rows, 4, shard_index=0, shard_count=1)),
+                                loop, lr=1e-2, warmup=1)
+  stopped = dataclasses.replace(_loop(tmp_path, "qad"), stop_after=2, log_every=1)
+  run(stopped)
+  assert sorted(os.listdir(stopped.ckpt_dir)) == ["2"]
+  resumed = run(dataclasses.replace(stopped, stop_after=None))
+  whole = run(dataclasses.replace(_loop(tmp_path / "b", "qad"), log_every=1))
+  chex.assert_trees_all_equal(resumed, whole)
+  assert not np.array_equal(np.asarray(whole["layers"]["0"]["mixer"]["in_x"]),
+                            np.asarray(params["layers"]["0"]["mixer"]["in_x"]))
+  records = lambda d: [{k: v for k, v in r.items() if k not in ("tok_per_s", "time")}
+                       for r in MetricsWriter(d, tensorboard=False).read("qad")]
+  logged = records(str(tmp_path / "b"))
+  assert [r["step"] for r in logged] == [1, 2, 3, 4] and records(str(tmp_path)) == logged
+  assert all(r["kd"] > 0 and {f"kd_{n}" for n in cfg.budget_names} & set(r) for r in logged)

@@ -161,3 +161,72 @@ def test_qtensor_refuses_non_prefix_slices(qparams_f32):
   with pytest.raises(ValueError, match="not a multiple of 16"):
     q[:, :24]
   assert q[:, :32].shape == (q.shape[0], 32, q.shape[2])
+
+
+def test_fake_quant_of_the_scanned_layout_quantizes_layer_by_layer(qparams_f32):
+  """Training holds scanned params: each stacked layer gets its own scales, as the canonical
+  layer would (one scale over the whole stack would differ), and the gradient passes straight
+  through. (Same codes; the vmapped dequantization may round its product differently by an
+  ulp, far below one code step, a relative 1/12 at least.)"""
+  from elastic_jax.model.model import to_canonical, to_stack_layout
+  cfg = QCFG.replace(scan_layers=True)
+  stacked = to_stack_layout(qparams_f32, cfg)
+  assert "units" in stacked["layers"]
+  for fmt in ("nvfp4", "fp8"):
+    got = to_canonical(fake_quant_params(stacked, cfg, QuantSpec(fmt)), cfg)
+    chex.assert_trees_all_close(got, dequantize_params(quantize_params(
+        qparams_f32, cfg, QuantSpec(fmt))), rtol=1e-6, atol=0)
+  g = jax.grad(lambda p: jnp.sum(fake_quant_params(p, cfg, QuantSpec("nvfp4"))["layers"]
+                                 ["units"]["2"]["mixer"]["up"]))(stacked)
+  np.testing.assert_array_equal(np.asarray(g["layers"]["units"]["2"]["mixer"]["up"]), 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_quantized_checkpoint_restores_any_budget_from_prefixes(qparams_f32, fmt, tmp_path):
+  """One quantized nested checkpoint (uint8 codes, e4m3 block scales, f32 global scales): the
+  full restore is bit-exact, a budget reads the prefixes of its codes and scales (fewer bytes)
+  and equals the slice of the quantized parent, and a code chunk holding other (valid) codes
+  is refused by the full and the budget restore."""
+  import os
+  import shutil
+  from elastic_jax.io import checkpoint
+  q = quantize_params(qparams_f32, QCFG, QuantSpec(fmt))
+  small = _budgets()[-1]
+  path = checkpoint.save(str(tmp_path / "q"), q, QCFG, budget_counts={"small": small})
+  meta = checkpoint.load_metadata(path)
+  assert meta["quantized"]["['layers']['1']['mixer']['up']"] == {
+      "fmt": fmt, "axis": 1, "dtype": "float32"}
+  bits = lambda t: jax.tree.map(lambda x: np.asarray(x).reshape(-1).view(np.uint8), t)
+  before = checkpoint.bytes_read()
+  full, _ = checkpoint.restore(path)
+  full_bytes = checkpoint.bytes_read() - before
+  chex.assert_trees_all_equal(bits(full), bits(q))
+  before = checkpoint.bytes_read()
+  got, cfg = checkpoint.restore(path, "small")
+  small_bytes = checkpoint.bytes_read() - before
+  want, want_cfg = slice_params(q, QCFG, small)
+  assert cfg == want_cfg and small_bytes < 0.7 * full_bytes, (small_bytes, full_bytes)
+  up = got["layers"]["1"]["mixer"]["up"]
+  assert isinstance(up, QTensor) and up.codes.dtype == (jnp.uint8 if fmt == "nvfp4" else
+                                                        jnp.float8_e4m3fn)
+  chex.assert_trees_all_equal(bits(got), bits(want))
+  bad = str(tmp_path / "bad")
+  shutil.copytree(path, bad)
+  codes = os.path.join(bad, "state", "params.layers.1.mixer.up.codes")
+  first, other = sorted(f for f in os.listdir(codes) if not f.startswith("."))[:2]
+  shutil.copyfile(os.path.join(codes, other), os.path.join(codes, first))  # valid, wrong values
+  for budget in (None, "small"):
+    with pytest.raises(checkpoint.CheckpointError, match="does not match the fingerprint"):
+      checkpoint.restore(bad, budget)
+
+
+def test_generation_runs_from_the_packed_weights(qparams_f32):
+  """A quantized sub-model generates as is (packed codes in memory, dequantized inside the
+  compiled step): the same tokens and logits as its dequantized copy."""
+  from elastic_jax.inference.generate import SubModel, generate
+  small = _budgets()[-1]
+  q, cfg = slice_params(quantize_params(qparams_f32, QCFG, QuantSpec("nvfp4")), QCFG, small)
+  prompts = [[1, 2, 3, 4, 5], [7, 8]]
+  a = generate(SubModel(q, cfg), prompts, 6, chunk=8)
+  b = generate(SubModel(dequantize_params(q), cfg), prompts, 6, chunk=8)
+  assert a == b and len(a) == 2 and all(len(r) == 6 for r in a)

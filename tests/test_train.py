@@ -135,6 +135,42 @@ def test_elastic_vs_separate_quick_mode(reference, tmp_path):
   assert (workdir / "elastic_vs_separate.png").stat().st_size > 10_000
 
 
+def test_quantized_family_from_the_main_job(reference, tmp_path):
+  """`--config.quant.format=nvfp4` on a finished run: the family resumes at its end, QAD runs
+  (budgets drawn per micro-batch, the router's counts fixed), one quantized nested checkpoint
+  is written and each budget reported from it; a rerun loads it instead of training again."""
+  from elastic_jax.quant.qtensor import QTensor
+  ref_dir, _ = reference
+  workdir = tmp_path / "q"
+  shutil.copytree(ref_dir, workdir)
+  cmd = _cmd(str(workdir)) + ["--config.quant.format=nvfp4", "--config.quant.qad_steps=3"]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "elastic: resumed from step 40/40" in r.stdout and "qad 3/3 budget " in r.stdout
+  assert "quant: nvfp4 family (QAD 3 steps) saved to" in r.stdout
+  assert "nested_nvfp4 checkpoint: " in r.stdout
+  report = lambda: [x for x in MetricsWriter(str(workdir), tensorboard=False).read()
+                    if x["phase"] == "report"]
+  rows = report()
+  fp, q = rows[:3], rows[3:]
+  assert [x.get("format") for x in rows] == [None] * 3 + ["nvfp4"] * 3
+  for a, b in zip(fp, q):   # same sub-models; 4-bit weights cost a little loss
+    assert (a["budget"], a["counts"]) == (b["budget"], b["counts"])
+    assert abs(b["val_loss"] - a["val_loss"]) < 0.1, (a, b)
+  path = os.path.join(workdir, "nested_nvfp4")
+  meta = checkpoint.load_metadata(path)
+  nested = checkpoint.load_metadata(os.path.join(workdir, "nested"))
+  assert meta["budget_counts"] == nested["budget_counts"] and meta["has_router"]
+  assert meta["extra"]["quant"]["qad_steps"] == 3 and len(meta["quantized"]) > 10
+  small, small_cfg = checkpoint.restore(path, "small")
+  assert isinstance(small["layers"]["1"]["mixer"]["up"], QTensor)
+  assert small_cfg.hidden_size == nested["budget_counts"]["small"]["hidden"]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "quant: loaded the nvfp4 family" in r.stdout and "qad 1/3" not in r.stdout
+  assert report() == rows
+
+
 def test_train_cli_hf_parent_and_local_files(tmp_path):
   """--hf_dir: no pretraining, and the nested parent is that model (nesting keeps its function,
   so the saved parent's logits equal the HF model's); --data_files: the corpus and tokenizer come
@@ -209,6 +245,9 @@ def test_train_cli_user_error_is_one_line(tmp_path):
     ("elastic.hard_prob", 2.0, "elastic.hard_prob must be a number >= 0 and <= 1, got 2.0"),
     ("elastic.expert_placement", "strided", "elastic.expert_placement must be one of"),
     ("router.band_weight", -1.0, "router.band_weight must be a number >= 0, got -1.0"),
+    ("quant.format", "int4", "quant.format must be one of '', 'fp8', 'nvfp4'; got 'int4'"),
+    ("quant.leaves", ("up", "A_log"), r"quant leaves \['A_log'\] are not matmul weights"),
+    ("quant.qad_steps", -1, "quant.qad_steps must be an int >= 0, got -1"),
 ])
 def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, value, match):
   from configs import tiny
@@ -216,6 +255,8 @@ def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, v
   c = tiny.get_config()
   section, name = field.split(".")
   c[section][name] = value
+  if section == "quant" and name != "format":
+    c.quant.format = "nvfp4"
   with pytest.raises(ValueError, match=match):
     pipeline.Run(c, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
@@ -275,3 +316,14 @@ def test_rerun_with_other_settings_is_refused(tmp_path):
   pipeline.Run(other, work, {"data_files": ["/a.txt"]}, restart=True)._lock.close()
   assert sorted(os.listdir(work)) == [".lock", "notes.txt", "run_config.json"]
   pipeline.Run(other, work, {"data_files": ["/a.txt"]})._lock.close()   # the new settings stick
+  # Quantizing a run's family adds to it; each format keeps the settings it was made with.
+  nvfp4 = other.copy_and_resolve_references()
+  nvfp4.quant.format = "nvfp4"
+  pipeline.Run(nvfp4, work, {"data_files": ["/a.txt"]})._lock.close()
+  pipeline.Run(other, work, {"data_files": ["/a.txt"]})._lock.close()
+  fp8 = nvfp4.copy_and_resolve_references()
+  fp8.quant.format, fp8.quant.lr = "fp8", 1e-3
+  pipeline.Run(fp8, work, {"data_files": ["/a.txt"]})._lock.close()
+  nvfp4.quant.lr = 1e-3
+  with pytest.raises(ValueError, match=r"other settings \(quant.nvfp4.lr\)"):
+    pipeline.Run(nvfp4, work, {"data_files": ["/a.txt"]})

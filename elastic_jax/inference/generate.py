@@ -1,6 +1,8 @@
 """Cached generation: chunked prefill + jitted single-token decode with KV / conv / SSM caches,
 batched prompts of different lengths, greedy / temperature / top-p sampling, stop tokens, any
-budget, and cache transplant between budgets.
+budget, and cache transplant between budgets. A quantized family (`quant.tree.quantize_params`,
+or restored from a quantized checkpoint) generates as is: the packed weights are dequantized
+inside the compiled step.
 
 A `SubModel` is what generates: a standalone sliced sub-model (small shapes, its own config) or the
 parent at a budget (parent params + `BudgetMasks`; one compiled step serves every budget, so
@@ -29,6 +31,7 @@ from elastic_jax.elastic.masks import BudgetMasks, from_counts
 from elastic_jax.model.model import apply_cached, init_cache
 from elastic_jax.elastic.slicing import slice_params
 from elastic_jax.parallel import sharding as shd
+from elastic_jax.quant.tree import dequantize_params
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -87,8 +90,9 @@ def sample(logits_BV, key, temperature, top_p):
 @functools.partial(jax.jit, static_argnames=("config", "moe_impl"), donate_argnames=("cache",))
 def _step(params, tokens_BT, valid_BT, cache, masks, key, temperature, top_p, *, config,
           moe_impl):
-  logits, cache = apply_cached(params, tokens_BT, cache, masks, config=config, valid_BT=valid_BT,
-                               moe_impl=moe_impl)
+  # Quantized params (QTensor leaves) stay packed in memory; the step dequantizes them.
+  logits, cache = apply_cached(dequantize_params(params), tokens_BT, cache, masks,
+                               config=config, valid_BT=valid_BT, moe_impl=moe_impl)
   return cache, logits[:, -1], sample(logits[:, -1], key, temperature, top_p)
 
 

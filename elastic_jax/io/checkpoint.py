@@ -6,6 +6,11 @@ Layout of a checkpoint directory:
 Arrays are stored in small chunks, so restoring a sub-model (Orbax partial restore with a smaller
 `global_shape`, i.e. a prefix of each dim) reads about that sub-model's share of the bytes.
 Saves are atomic: everything is written to a temporary sibling directory, then renamed.
+
+A quantized family (`quant.tree.quantize_params`: QTensor leaves) saves the same way: each
+QTensor's packed codes, block scales and global scale are arrays of their own, the metadata
+records each quantized leaf's format and block axis, and a sub-model reads the prefix of its
+codes and scales that its float prefix stands for (`quant.qtensor.abstract`).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.parallel.rules import DEFAULT_RULES, Rules
+from elastic_jax.quant import qtensor
 
 FORMAT = "elastic-jax-nested-v2"
 TOKENIZER_FILE = "tokenizer.json"   # stored inside the checkpoint folder
@@ -52,8 +58,51 @@ def _checkpointer():
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  """{leaf path: shape}; a QTensor is one leaf of its float shape."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=qtensor.is_qtensor)
   return {jax.tree_util.keystr(p): tuple(x.shape) for p, x in flat}
+
+
+def _component_shapes(tree) -> dict[str, tuple]:
+  """{array path: shape} of every stored array (a QTensor's components by name), keyed the way
+  Orbax's metadata tree spells them (attribute names as dict keys)."""
+  key = lambda k: repr(k.name if isinstance(k, jax.tree_util.GetAttrKey) else
+                       getattr(k, "key", getattr(k, "idx", None)))
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {"".join(f"[{key(k)}]" for k in p): tuple(x.shape) for p, x in flat}
+
+
+def _quantized(params) -> dict[str, dict]:
+  """{leaf path: format, block axis, float dtype} of every QTensor leaf of `params`."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=qtensor.is_qtensor)
+  return {jax.tree_util.keystr(p): qtensor.describe(x) for p, x in flat
+          if qtensor.is_qtensor(x)}
+
+
+def _as_quantized(shapes, recorded: Mapping[str, Mapping]):
+  """The float `shapes` tree with each leaf the checkpoint stores quantized replaced by the
+  abstract QTensor of that shape (`recorded`: metadata "quantized", keyed by leaf path)."""
+  if not recorded:
+    return shapes
+  return jax.tree_util.tree_map_with_path(
+      lambda p, s: (qtensor.abstract(s.shape, **recorded[jax.tree_util.keystr(p)])
+                    if jax.tree_util.keystr(p) in recorded else s), shapes)
+
+
+def _quantized_boxes(boxes: Mapping, params) -> dict:
+  """`prefix_boxes` with each quantized leaf's entry replaced by its components' boxes (the
+  codes and scales a float prefix box stands for)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path({"params": params}, is_leaf=qtensor.is_qtensor)
+  out = dict(boxes)
+  for p, x in flat:
+    k = jax.tree_util.keystr(p)
+    if qtensor.is_qtensor(x):
+      for comp in ("codes", "block_scale", "global_scale"):
+        if getattr(x, comp) is not None:
+          out[f"{k}.{comp}"] = sorted({qtensor.component_shapes(x, b)[comp]
+                                       for b in out[k]})
+      del out[k]
+  return out
 
 
 def _check_params(params, config: ModelConfig, what: str):
@@ -114,7 +163,7 @@ def save(path: str, params, config: ModelConfig, *, router=None,
     # layer too): it is checked without reading the rest of each leaf.
     flat = {jax.tree_util.keystr(k): x for k, x in
             jax.tree_util.tree_flatten_with_path({"params": params})[0]}
-    boxes = fingerprint.box_fingerprints(flat, prefix_boxes(config))
+    boxes = fingerprint.box_fingerprints(flat, _quantized_boxes(prefix_boxes(config), params))
     if tokenizer and primary:   # inside the checkpoint: a moved run keeps its own tokenizer
       shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {"format": FORMAT, "config": config.to_dict(),
@@ -124,6 +173,7 @@ def save(path: str, params, config: ModelConfig, *, router=None,
             "has_router": router is not None, "tokenizer": TOKENIZER_FILE if tokenizer else None,
             "extra": dict(extra or {}),
             "leaf_shapes": {k: list(v) for k, v in _flat_shapes(params).items()},
+            "quantized": _quantized(params),
             "fingerprints": sums, "box_fingerprints": boxes}
     if primary:
       with open(os.path.join(tmp, "metadata.json"), "w") as f:
@@ -297,8 +347,10 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
     on_disk = ckptr.metadata(state_dir).item_metadata.tree["params"]
   except Exception as e:  # orbax raises many types for a damaged directory
     raise CheckpointError(f"{path}: unreadable Orbax state ({type(e).__name__}: {e})") from None
-  disk_shapes = _flat_shapes(on_disk)
-  for k, shape in want.items():
+  quantized = meta.get("quantized") or {}
+  disk_shapes = _component_shapes(on_disk)
+  for k, shape in _component_shapes(
+      _as_quantized(layout(param_shapes(config)), quantized)).items():
     if disk_shapes.get(k) != shape:
       raise CheckpointError(f"{path}: Orbax state leaf {k} has shape {disk_shapes.get(k)}, "
                             f"expected {shape}")
@@ -312,10 +364,15 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
   kept = config.kept_layers(normalize_counts(config, counts)["depth"][0])
   stored_names = lambda tree: {**tree, "layers": {str(kept[int(j)]): v
                                                   for j, v in tree["layers"].items()}}
-  abstract = layout(stored_names(shapes))
+  abstract = layout(_as_quantized(stored_names(shapes), quantized))
+  # A quantized leaf's codes and block scales land as its float leaf would (same rank), its
+  # global scale on the same devices, whole.
+  sharding = jax.tree_util.tree_map_with_path(
+      lambda p, sh: (_component_shardings(sh, quantized[jax.tree_util.keystr(p)])
+                     if jax.tree_util.keystr(p) in quantized else sh), stored_names(sharding))
   args = jax.tree_util.tree_map(
       lambda s, sh: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sh,
-                                         strict=False), abstract, layout(stored_names(sharding)))
+                                         strict=False), abstract, layout(sharding))
   try:
     state = ckptr.restore(state_dir, item={"params": abstract}, restore_args={"params": args},
                           partial_restore=True)  # the router, if any, is restored separately
@@ -333,6 +390,14 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
   params = {**params, "layers": {str(j): params["layers"][str(i)] for j, i in enumerate(kept)}}
   _check_params(params, small, "restore")
   return params, small
+
+
+def _component_shardings(sh, desc: Mapping) -> qtensor.QTensor:
+  """Shardings of a QTensor's components (`desc`: its recorded format, axis, dtype) where its
+  float leaf would have `sh`."""
+  whole = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+           if isinstance(sh, jax.sharding.NamedSharding) else sh)
+  return qtensor.QTensor(sh, sh if desc["fmt"] == "nvfp4" else None, whole, **desc)
 
 
 def restore_router(path: str):

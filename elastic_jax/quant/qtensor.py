@@ -86,3 +86,33 @@ def quantize(w, fmt: str, axis: int = 0) -> QTensor:
 
 def is_qtensor(x) -> bool:
   return isinstance(x, QTensor)
+
+
+def abstract(shape, fmt: str, axis: int, dtype: str) -> QTensor:
+  """The QTensor of ShapeDtypeStructs that `quantize` gives a float weight of `shape` (what a
+  checkpoint restore asks Orbax for)."""
+  shape = tuple(int(n) for n in shape)
+  sds = jax.ShapeDtypeStruct
+  scale = sds((), jnp.float32)
+  if fmt == "fp8":
+    return QTensor(sds(shape, jnp.float8_e4m3fn), None, scale, fmt, axis, dtype)
+  if fmt != "nvfp4":
+    raise ValueError(f"quant format {fmt!r}: expected one of {', '.join(FORMATS)}")
+  if shape[axis] % formats.BLOCK:
+    raise ValueError(f"nvfp4: block axis {axis} of shape {shape} is not a multiple of "
+                     f"{formats.BLOCK}")
+  div = lambda k: tuple(n // k if d == axis else n for d, n in enumerate(shape))
+  return QTensor(sds(div(2), jnp.uint8), sds(div(formats.BLOCK), jnp.float8_e4m3fn), scale,
+                 fmt, axis, dtype)
+
+
+def describe(q: QTensor) -> dict:
+  """What a checkpoint records of a quantized leaf to restore any prefix of it (`abstract`)."""
+  return {"fmt": q.fmt, "axis": q.axis, "dtype": q.dtype}
+
+
+def component_shapes(q: QTensor, float_shape) -> dict[str, tuple]:
+  """{component: its shape} of the prefix of `q` that stands for a float prefix `float_shape`."""
+  a = abstract(float_shape, q.fmt, q.axis, q.dtype)
+  return {k: tuple(getattr(a, k).shape) for k in ("codes", "block_scale", "global_scale")
+          if getattr(a, k) is not None}

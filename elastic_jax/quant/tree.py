@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.axes import map_param_leaves, uses_for
-from elastic_jax.model.model import logical_axes, param_shapes
+from elastic_jax.model.model import is_scanned, logical_axes, param_shapes, scanned_logical_axes
 from elastic_jax.quant import formats
 from elastic_jax.quant.qtensor import FORMATS, QTensor, is_qtensor, quantize
 
@@ -111,12 +112,24 @@ def dequantize_params(qparams, dtype=None):
 
 def fake_quant_params(params, config: ModelConfig, spec: QuantSpec):
   """Float params whose chosen leaves carry the quantized values with a straight-through
-  gradient (quantization-aware training); equal to dequantize_params(quantize_params(...))."""
+  gradient (quantization-aware training); equal to dequantize_params(quantize_params(...)).
+  `params` may be canonical or scanned: a stacked leaf (leading "layers" axis) is quantized
+  layer by layer, each with its own scales, as its canonical layers would be."""
   check(config, spec)
-  where = plan(config, spec)
-  return map_param_leaves(config, params, lambda kind, layer, path, leaf: (
-      formats.fake_quant(leaf, spec.fmt, where[(layer, path)]) if (layer, path) in where
-      else leaf))
+  scanned = is_scanned(params)
+  logical = scanned_logical_axes(config) if scanned else logical_axes(config)
+
+  def one(path, names, leaf):
+    if path[-1].key not in spec.leaves:
+      return leaf
+    names = tuple(names)
+    if scanned and names[0] == "layers":
+      b = block_axis(names[1:])
+      return jax.vmap(lambda w: formats.fake_quant(w, spec.fmt, b))(leaf)
+    return formats.fake_quant(leaf, spec.fmt, block_axis(names))
+
+  return jax.tree_util.tree_map_with_path(one, logical, params,
+                                          is_leaf=lambda x: isinstance(x, P))
 
 
 __all__ = ["DEFAULT_LEAVES", "QTensor", "QuantSpec", "block_axis", "check", "dequantize_params",

@@ -11,6 +11,7 @@ import numpy as np
 from elastic_jax.elastic.axes import AXES
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic.params_count import count_params
+from elastic_jax.quant.tree import dequantize_params
 from elastic_jax.training.phases import lm_loss
 from elastic_jax.elastic.slicing import slice_params
 
@@ -49,11 +50,13 @@ def report(params, config: ModelConfig, budget_counts: Mapping[str, Mapping[str,
            val_rows, tokenizer, examples: Sequence[Mapping] = (), *,
            max_think_tokens: int = 48, max_answer_tokens: int = 8) -> list[dict]:
   """One row per budget: counts (of the elastic axes, those with more than one choice), total /
-  active params and ratio, val loss / ppl, accuracy."""
+  active params and ratio, val loss / ppl, accuracy. `params` may be quantized (QTensor
+  leaves): each budget is sliced from the quantized parent, then dequantized."""
   full = count_params(config)
   rows = []
   for name, counts in budget_counts.items():
     small, small_cfg = slice_params(params, config, counts)
+    small = dequantize_params(small)
     pc = count_params(small_cfg)
     loss = val_loss(small, small_cfg, val_rows)
     acc = answer_accuracy(small, small_cfg, tokenizer, examples, max_think_tokens,

@@ -4,7 +4,10 @@
 - `distill`: one fixed student against a frozen teacher (forward KL), e.g. a pruned slice
   (Minitron-style baseline);
 - `elastic`: the whole family in one run: budget router + masked student vs the frozen parent
-  (forward KL + budget loss), one budget per step, two stages (METHOD.md section 5).
+  (forward KL + budget loss), one budget per step, two stages (METHOD.md section 5);
+- `qad`: quantization-aware distillation of the trained family: each budget's fake-quantized
+  sub-model against the same budget of the frozen unquantized family, the router frozen at its
+  deployed counts (METHOD.md section 6).
 
 Batches come from grain iterators (their state is checkpointed); everything random derives from
 (seed, step), so a resumed phase repeats the uninterrupted one exactly.
@@ -22,11 +25,14 @@ import optax
 from elastic_jax import rng
 from elastic_jax.config import ModelConfig
 from elastic_jax.elastic import deploy
+from elastic_jax.elastic import masks as masks_lib
 from elastic_jax.elastic import router as router_lib
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.parallel.rules import DEFAULT_RULES
 from elastic_jax.training import optim
-from elastic_jax.training.distill import chunked_cross_entropy, elastic_loss, forward_kl
+from elastic_jax.quant.tree import QuantSpec, fake_quant_params
+from elastic_jax.training.distill import (chunked_cross_entropy, chunked_forward_kl, elastic_loss,
+                                          forward_kl)
 from elastic_jax.training.loop import commit, run_phase
 from elastic_jax.model.model import (apply, apply_hidden, place_experts, to_canonical,
                                      to_stack_layout)
@@ -351,3 +357,69 @@ def elastic(params, teacher, config: ModelConfig, router_params, rc: router_lib.
   params = place_experts(to_canonical(state["model"], config), config,
                          given.expert_placement)[0]
   return params, state["router"]
+
+
+def budget_mask_table(config: ModelConfig, budget_counts: dict):
+  """The hard `BudgetMasks` of every budget in `config.budget_names` order, stacked on a leading
+  [n_budgets] axis (index it with a traced budget index inside a step)."""
+  missing = [n for n in config.budget_names if n not in budget_counts]
+  if missing:
+    raise ValueError(f"budget_counts lack budgets {missing}; have {sorted(budget_counts)}")
+  table = [masks_lib.from_counts(config, budget_counts[n]) for n in config.budget_names]
+  return jax.tree.map(lambda *m: jnp.stack(m), *table)
+
+
+def qad_step_loss(config: ModelConfig, spec: QuantSpec, mask_table, moe_impl: str = "dense",
+                  kd_chunk: int = 0):
+  """loss_fn(params, rows, teacher, budget index) -> (loss, metrics): forward KL of the budget's
+  sub-model of `teacher` (unquantized, frozen) to the same sub-model of `params` fake-quantized
+  by `spec` (straight-through gradient). Both run under the budget's hard masks (a row of
+  `mask_table`), so the student is exactly the quantized parent's slice. Metrics as
+  `elastic_step_loss`'s ("kd", "kd_by_budget", "n_by_budget")."""
+  check_chunk("elastic.kd_chunk", kd_chunk)
+  n = len(config.budget_names)
+
+  def loss_fn(params, x, teacher, b):
+    x = x[:, :-1]
+    masks = jax.tree.map(lambda m: m[b], mask_table)
+    student = fake_quant_params(params, config, spec)
+    if kd_chunk:
+      t = apply_hidden(teacher, x, masks, config=config, moe_impl=moe_impl)
+      s = apply_hidden(student, x, masks, config=config, moe_impl=moe_impl)
+      kd = chunked_forward_kl(jax.lax.stop_gradient(t), s,
+                              jax.lax.stop_gradient(teacher["lm_head"]), student["lm_head"],
+                              config, kd_chunk)
+    else:
+      t = apply(teacher, x, masks, config=config, moe_impl=moe_impl)
+      kd = forward_kl(jax.lax.stop_gradient(t),
+                      apply(student, x, masks, config=config, moe_impl=moe_impl))
+    onehot = jax.nn.one_hot(b, n)
+    return kd, {"kd": kd, "kd_by_budget": onehot * kd, "n_by_budget": onehot}
+  return loss_fn
+
+
+# Positions of the QAD step's args (teacher, budgets) that hold one value per micro-batch.
+QAD_PER_MICRO = (1,)
+
+
+def qad(params, config: ModelConfig, budget_counts: dict, spec: QuantSpec,
+        schedule: ElasticSchedule, batches, loop: LoopOptions, *, lr: float = 1e-4,
+        warmup: int = 10, moe_impl: str = "dense", kd_chunk: int = 0, name: str = "qad"):
+  """Quantization-aware distillation of the trained nested family `params`: for the budget each
+  micro-batch draws from `schedule` (as in elastic training), the fake-quantized sub-model at its
+  deployed `budget_counts` (the router frozen) learns the unquantized family's same budget, a
+  frozen copy of `params`. Returns the float weights; `quant.tree.quantize_params` of them is
+  the deployable quantized family (the parent quantized once; every budget its prefix)."""
+  table = budget_mask_table(config, budget_counts)
+  loss_fn = qad_step_loss(config, spec, table, moe_impl, kd_chunk)
+  params = to_stack_layout(params, config)
+  teacher = commit(loop.place_model(params, config))
+  M = schedule.micro_batches
+  names = config.budget_names
+  args = lambda i, x: (teacher, jnp.asarray(schedule.budgets(i), jnp.int32))
+  out = _run(name, loss_fn, params, optim.adamw(lr, schedule.total, warmup, 0.0),
+             schedule.total, batches, loop, args,
+             describe=lambda i: f"budget {','.join(names[b] for b in schedule.budgets(i))}",
+             params_sharding=loop.model_sharding(params, config), micro_batches=M,
+             per_micro=QAD_PER_MICRO, window=lambda ms: kd_per_budget(ms, names))
+  return to_canonical(out, config)

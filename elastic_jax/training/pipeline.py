@@ -27,6 +27,9 @@ from elastic_jax.model.model import init, param_shapes
 from elastic_jax.parallel import mesh as mesh_lib
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.elastic.nesting import nest, nested_config
+from elastic_jax.quant import tree as quant_tree
+from elastic_jax.quant.qtensor import FORMATS
+from elastic_jax.quant.tree import QuantSpec
 
 
 # Run-config fields with a range: (field, type, low, high, low inclusive). `int` fields must be
@@ -47,6 +50,8 @@ _RANGES = (
     ("router.tau_min", float, 0, 1, False), ("router.tau_anneal_frac", float, 0, 1, False),
     ("router.band", float, 0, 1, True), ("router.anchor_weight", float, 0, None, True),
     ("router.band_weight", float, 0, None, True),
+    ("quant.qad_steps", int, 0, None, True), ("quant.lr", float, 0, None, False),
+    ("quant.warmup", int, 0, None, True),
     ("eval.n_reasoning", int, 0, None, True), ("eval.max_think_tokens", int, 1, None, True),
     ("eval.max_answer_tokens", int, 1, None, True),
 )
@@ -80,19 +85,35 @@ def check_run_config(c) -> None:
   phases.check_budget_probs(len(c.model.budgets), c.elastic.p_full, tuple(c.elastic.stage2_probs))
   cost_model(c)
   ModelConfig.from_dict(c.model.to_dict())  # budgets and shapes, before anything is written
+  quant_spec(c)
   M = c.elastic.micro_batches
   if not isinstance(M, int) or isinstance(M, bool) or M < 1 or c.data.batch % M:
     raise ValueError(f"elastic.micro_batches must be an int >= 1 dividing data.batch "
                      f"({c.data.batch}), got {M!r}")
 
 
+def quant_spec(config) -> QuantSpec | None:
+  """The run's quantized family (`quant` section) as a QuantSpec, None without one; checks the
+  format, the leaf names and (nvfp4) that the config's block dims and choices allow nesting."""
+  q = config.quant
+  if not q.format:
+    return None
+  if q.format not in FORMATS:
+    raise ValueError(f"quant.format must be one of '', {', '.join(map(repr, FORMATS))}; got "
+                     f"{q.format!r}")
+  spec = QuantSpec(q.format, tuple(q.leaves))
+  quant_tree.check(ModelConfig.from_dict(config.model.to_dict()), spec)
+  return spec
+
+
 # Config sections that change what a run computes: a rerun on the same workdir must match them
-# (logging, checkpointing, evaluation and the mesh may change between attempts).
+# (logging, checkpointing, evaluation and the mesh may change between attempts). The `quant`
+# section is recorded per format: quantizing a finished run adds to it (see `_check_rerun`).
 RESULT_SECTIONS = ("seed", "model", "data", "pretrain", "elastic", "router", "optim")
 RUN_RECORD = "run_config.json"
 # What `restart` removes from a workdir: the run's own outputs, nothing else.
 RUN_OUTPUTS = ("checkpoints", "parent", "nested", "tb", "metrics.jsonl", "tokenizer.json",
-               RUN_RECORD)
+               RUN_RECORD) + tuple(f"nested_{f}" for f in FORMATS)
 
 
 def _flat(d, prefix: str = "") -> dict:
@@ -133,8 +154,10 @@ class Run:
     differ, naming the fields (`restart` removes RUN_OUTPUTS first)."""
     c = self.config.to_dict()
     inputs = {k: v for k, v in self.inputs.items() if v}   # an unset input is no input
-    record = json.loads(json.dumps({"config": {k: c[k] for k in RESULT_SECTIONS},
-                                    "inputs": inputs}))
+    record = {"config": {k: c[k] for k in RESULT_SECTIONS}, "inputs": inputs}
+    if c["quant"]["format"]:
+      record["quant"] = {c["quant"]["format"]: c["quant"]}
+    record = json.loads(json.dumps(record))
     path = os.path.join(self.workdir, RUN_RECORD)
     if self.restart:
       for name in RUN_OUTPUTS:
@@ -145,8 +168,16 @@ class Run:
           os.remove(target)
     if os.path.exists(path):
       with open(path) as f:
-        old = _flat(json.load(f))
-      new = _flat(record)
+        old_record = json.load(f)
+      # Every format a run has quantized to stays recorded; only a format made before must
+      # keep its settings (a new one, or none, adds nothing to compare).
+      made, asked = old_record.get("quant", {}), record.pop("quant", {})
+      compared = dict(record)
+      if made:
+        compared["quant"] = {**made, **{f: v for f, v in asked.items() if f in made}}
+      if made or asked:
+        record["quant"] = {**made, **asked}
+      old, new = _flat(old_record), _flat(compared)
       changed = sorted(k for k in set(old) | set(new)
                        if old.get(k, "<unset>") != new.get(k, "<unset>"))
       if changed:
@@ -154,7 +185,8 @@ class Run:
                          f"{', ...' if len(changed) > 6 else ''}); rerun with the same settings "
                          "to resume, pass --restart to start this workdir over, or use another "
                          "--workdir")
-      return
+      if record == old_record:
+        return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
       json.dump(record, f, indent=1)
@@ -329,6 +361,46 @@ def elastic_family(run: Run, cfg: ModelConfig, teacher, td: data.TrainingData) -
                   extra={"router_config": dataclasses.asdict(rc), "budget_report": report},
                   overwrite=True)
   return TrainedFamily(params, router, rc, counts, schedule)
+
+
+def quantized_family(run: Run, cfg: ModelConfig, family: TrainedFamily,
+                     td: data.TrainingData):
+  """(e): the trained family quantized once to `quant.format` after `quant.qad_steps` of
+  quantization-aware distillation (`phases.qad`: every budget's fake-quantized sub-model vs the
+  same budget of the unquantized family, budgets drawn as in stage 1, the router frozen at its
+  deployed counts), saved as one quantized nested checkpoint in nested_<format>/ and loaded
+  from there on re-runs. Returns the quantized params (QTensor leaves), or None without a
+  `quant.format`."""
+  c, q = run.config, run.config.quant
+  spec = quant_spec(c)
+  if spec is None:
+    return None
+  quant_tree.check(cfg, spec)
+  path = os.path.join(run.workdir, f"nested_{spec.fmt}")
+  if os.path.isdir(path):
+    qparams, _ = checkpoint.restore(path, expected_config=cfg)
+    print(f"quant: loaded the {spec.fmt} family from {path}", flush=True)
+    return qparams
+  params = family.params
+  if q.qad_steps:
+    e = c.elastic
+    schedule = phases.ElasticSchedule(len(cfg.budgets), q.qad_steps, 0, e.p_full,
+                                      tuple(e.stage2_probs), rng.seed_for(c.seed, "qad_budget"),
+                                      e.micro_batches)
+    batches = td.iterator(run.seq_lens[0], c.data.batch, rng.seed_for(c.seed, "qad_data"))
+    params = phases.qad(params, cfg, family.budget_counts, spec, schedule, batches,
+                        run.loop(f"qad_{spec.fmt}"), lr=q.lr, warmup=q.warmup,
+                        moe_impl=e.moe_impl, kd_chunk=e.kd_chunk)
+  qparams = quant_tree.quantize_params(params, cfg, spec)
+  nested = checkpoint.load_metadata(os.path.join(run.workdir, "nested"))
+  checkpoint.save(path, qparams, cfg, router=family.router, budget_counts=family.budget_counts,
+                  tokenizer=run.tokenizer_path,
+                  extra={**nested.get("extra", {}), "quant": {**q.to_dict(),
+                                                              "leaves": list(q.leaves)}},
+                  overwrite=True)
+  print(f"quant: {spec.fmt} family ({'QAD ' + str(q.qad_steps) + ' steps' if q.qad_steps else 'PTQ'})"
+        f" saved to {path}", flush=True)
+  return qparams
 
 
 def held_out(run: Run) -> list[dict]:
