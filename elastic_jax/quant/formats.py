@@ -22,9 +22,11 @@ def _amax(x):
   return jnp.max(jnp.abs(x.astype(jnp.float32)))
 
 
-def fp8_quantize(w):
-  """(codes float8_e4m3fn [w.shape], scale f32 []): w ~= codes * scale, scale = amax / 448."""
-  amax = _amax(w)
+def fp8_quantize(w, amax=None):
+  """(codes float8_e4m3fn [w.shape], scale f32 []): w ~= codes * scale, scale = amax / 448.
+  `amax`: the tensor's own by default; a larger one shared with other weights (one scale for
+  the projections a serving engine fuses) is allowed."""
+  amax = _amax(w) if amax is None else jnp.asarray(amax, jnp.float32)
   scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
   codes = jnp.clip(w.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX)
   return codes.astype(jnp.float8_e4m3fn), scale
@@ -61,17 +63,18 @@ def unpack_nibbles(packed):
   return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def nvfp4_quantize(w, axis: int):
+def nvfp4_quantize(w, axis: int, amax=None):
   """(packed uint8, block_scale float8_e4m3fn, global f32 []) of `w`, blocks of 16 along `axis`.
 
   `packed` is `w`'s shape with `axis` halved, `block_scale` with `axis` divided by 16, so a
-  prefix of `axis` (a multiple of 16) is a prefix of both."""
+  prefix of `axis` (a multiple of 16) is a prefix of both. `amax` (default: `w`'s) sets the
+  global scale; weights fused at serving time share one (`quant.tree.SHARED_SCALE`)."""
   n = w.shape[axis]
   if n % BLOCK:
     raise ValueError(f"nvfp4: block axis {axis} of shape {tuple(w.shape)} is not a multiple of "
                      f"{BLOCK}")
   x = jnp.moveaxis(w.astype(jnp.float32), axis, -1)
-  amax = _amax(x)
+  amax = _amax(x) if amax is None else jnp.asarray(amax, jnp.float32)
   global_scale = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
   xb = x.reshape(*x.shape[:-1], n // BLOCK, BLOCK)
   block_amax = jnp.max(jnp.abs(xb), axis=-1)
@@ -110,13 +113,13 @@ def _bwd(_, g):
 _identity_grad.defvjp(_fwd, _bwd)
 
 
-def fake_quant(w, fmt: str, axis: int = 0):
+def fake_quant(w, fmt: str, axis: int = 0, amax=None):
   """The dequantized value of `w` in `fmt` ("fp8" | "nvfp4"), with the straight-through
-  gradient: d/dw is the identity (the value is exactly `dequantize(quantize(w))`)."""
+  gradient: d/dw is the identity (the value is exactly `dequantize(quantize(w, amax))`)."""
   if fmt == "fp8":
-    wq = fp8_dequantize(*fp8_quantize(w), dtype=w.dtype)
+    wq = fp8_dequantize(*fp8_quantize(w, amax), dtype=w.dtype)
   elif fmt == "nvfp4":
-    wq = nvfp4_dequantize(*nvfp4_quantize(w, axis), axis=axis, dtype=w.dtype)
+    wq = nvfp4_dequantize(*nvfp4_quantize(w, axis, amax), axis=axis, dtype=w.dtype)
   else:
     raise ValueError(f"quant format {fmt!r}: expected one of fp8, nvfp4")
   return _identity_grad(w, jax.lax.stop_gradient(wq))

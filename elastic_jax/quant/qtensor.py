@@ -73,14 +73,15 @@ class QTensor:
                                     dtype)
 
 
-def quantize(w, fmt: str, axis: int = 0) -> QTensor:
-  """`w` as a QTensor in `fmt` ("fp8" | "nvfp4"; nvfp4 blocks of 16 along `axis`)."""
+def quantize(w, fmt: str, axis: int = 0, amax=None) -> QTensor:
+  """`w` as a QTensor in `fmt` ("fp8" | "nvfp4"; nvfp4 blocks of 16 along `axis`); `amax`
+  (default: `w`'s) sets the global scale."""
   dtype = jnp.dtype(w.dtype).name
   if fmt == "fp8":
-    codes, scale = formats.fp8_quantize(w)
+    codes, scale = formats.fp8_quantize(w, amax)
     return QTensor(codes, None, scale, "fp8", axis, dtype)
   if fmt == "nvfp4":
-    return QTensor(*formats.nvfp4_quantize(w, axis), "nvfp4", axis % w.ndim, dtype)
+    return QTensor(*formats.nvfp4_quantize(w, axis, amax), "nvfp4", axis % w.ndim, dtype)
   raise ValueError(f"quant format {fmt!r}: expected one of {', '.join(FORMATS)}")
 
 

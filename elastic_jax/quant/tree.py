@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from elastic_jax.config import ModelConfig
@@ -96,12 +97,58 @@ def check(config: ModelConfig, spec: QuantSpec) -> None:
   map_param_leaves(config, shapes, visit)
 
 
-def quantize_params(params, config: ModelConfig, spec: QuantSpec):
-  """The params tree with a QTensor at every leaf `spec` chooses (canonical layout)."""
+# Leaves a serving engine runs as one fused matmul share one global scale (the max of their
+# amaxes), as ModelOpt exports them: the Mamba in_proj (z, x, B, C, dt) is one HF Linear, and
+# q / k / v are fused into one qkv GEMM by vLLM.
+SHARED_SCALE = {"in_z": "in_proj", "in_x": "in_proj", "in_B": "in_proj", "in_C": "in_proj",
+                "in_dt": "in_proj", "q": "qkv", "k": "qkv", "v": "qkv"}
+
+
+def _map_chosen(params, config: ModelConfig, spec: QuantSpec, fn):
+  """`params` (canonical or scanned) with fn(leaf, block axis, amax, stacked) at every leaf
+  `spec` chooses. `amax` is the global amax of the leaf's scale group (`SHARED_SCALE`; its own
+  otherwise), per stacked layer ([L]) for a stacked leaf (leading "layers" axis)."""
   check(config, spec)
-  where = plan(config, spec)
-  return map_param_leaves(config, params, lambda kind, layer, path, leaf: (
-      quantize(leaf, spec.fmt, where[(layer, path)]) if (layer, path) in where else leaf))
+  scanned = is_scanned(params)
+  logical = scanned_logical_axes(config) if scanned else logical_axes(config)
+  is_p = lambda x: isinstance(x, P)
+  names_at = {jax.tree_util.keystr(path): names for path, names in
+              jax.tree_util.tree_flatten_with_path(logical, is_leaf=is_p)[0]}
+  flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  missing = [jax.tree_util.keystr(p) for p, _ in flat_paths
+             if jax.tree_util.keystr(p) not in names_at]
+  if missing or len(flat_paths) != len(names_at):
+    raise ValueError(f"params do not match the config's parameter tree (e.g. {missing[:3]})")
+  flat = [x for _, x in flat_paths]
+  flat_names = [(p, names_at[jax.tree_util.keystr(p)]) for p, _ in flat_paths]
+  group = lambda path: (jax.tree_util.keystr(path[:-1]),
+                        SHARED_SCALE.get(path[-1].key, jax.tree_util.keystr(path)))
+  amax = {}
+  for (path, names), leaf in zip(flat_names, flat):
+    if path[-1].key in spec.leaves:
+      stacked = scanned and tuple(names)[0] == "layers"
+      a = jnp.abs(leaf.astype(jnp.float32))
+      a = jnp.max(a, axis=tuple(range(1, a.ndim))) if stacked else jnp.max(a)
+      g = group(path)
+      amax[g] = a if g not in amax else jnp.maximum(amax[g], a)
+  out = []
+  for (path, names), leaf in zip(flat_names, flat):
+    if path[-1].key in spec.leaves:
+      names = tuple(names)
+      stacked = scanned and names[0] == "layers"
+      b = block_axis(names[1:] if stacked else names)
+      leaf = fn(leaf, b, jax.lax.stop_gradient(amax[group(path)]), stacked)
+    out.append(leaf)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def quantize_params(params, config: ModelConfig, spec: QuantSpec):
+  """The (canonical) params tree with a QTensor at every leaf `spec` chooses; leaves fused at
+  serving time share their global scale (`SHARED_SCALE`)."""
+  if is_scanned(params):
+    raise ValueError("quantize_params takes canonical params (model.to_canonical)")
+  return _map_chosen(params, config, spec,
+                     lambda leaf, b, amax, _: quantize(leaf, spec.fmt, b, amax))
 
 
 def dequantize_params(qparams, dtype=None):
@@ -115,22 +162,12 @@ def fake_quant_params(params, config: ModelConfig, spec: QuantSpec):
   gradient (quantization-aware training); equal to dequantize_params(quantize_params(...)).
   `params` may be canonical or scanned: a stacked leaf (leading "layers" axis) is quantized
   layer by layer, each with its own scales, as its canonical layers would be."""
-  check(config, spec)
-  scanned = is_scanned(params)
-  logical = scanned_logical_axes(config) if scanned else logical_axes(config)
-
-  def one(path, names, leaf):
-    if path[-1].key not in spec.leaves:
-      return leaf
-    names = tuple(names)
-    if scanned and names[0] == "layers":
-      b = block_axis(names[1:])
-      return jax.vmap(lambda w: formats.fake_quant(w, spec.fmt, b))(leaf)
-    return formats.fake_quant(leaf, spec.fmt, block_axis(names))
-
-  return jax.tree_util.tree_map_with_path(one, logical, params,
-                                          is_leaf=lambda x: isinstance(x, P))
+  def one(leaf, b, amax, stacked):
+    if stacked:
+      return jax.vmap(lambda w, a: formats.fake_quant(w, spec.fmt, b, a))(leaf, amax)
+    return formats.fake_quant(leaf, spec.fmt, b, amax)
+  return _map_chosen(params, config, spec, one)
 
 
-__all__ = ["DEFAULT_LEAVES", "QTensor", "QuantSpec", "block_axis", "check", "dequantize_params",
+__all__ = ["DEFAULT_LEAVES", "SHARED_SCALE", "QTensor", "QuantSpec", "block_axis", "check", "dequantize_params",
            "fake_quant_params", "plan", "quantize_params"]
