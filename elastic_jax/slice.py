@@ -2,6 +2,10 @@
 
   python -m elastic_jax.slice --checkpoint=runs/tiny/nested --budget=small --out=/tmp/small
   python -m elastic_jax.slice --checkpoint=... --budget=hidden=64,moe_experts=4 --format=hf --out=...
+  python -m elastic_jax.slice --checkpoint=runs/tiny/nested_nvfp4 --budget=small --format=hf ...
+
+From a quantized checkpoint (`nested_<format>/` of the main job), `--format=hf` writes NVIDIA
+ModelOpt's format (packed codes and scales, `quantization_config`; io/modelopt.py).
 
 --budget is a budget name stored in the checkpoint, or comma-separated per-axis counts
 (axis=count, or axis=c1:c2:... with one count per layer of that axis' kind).
@@ -43,7 +47,9 @@ def parse_budget(text: str | None):
 def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False) -> str:
   from elastic_jax import count_params
   from elastic_jax.elastic import deploy
-  from elastic_jax.io import checkpoint, hf
+  import jax
+  from elastic_jax.io import checkpoint, hf, modelopt
+  from elastic_jax.quant.qtensor import is_qtensor
 
   src, dst = os.path.realpath(checkpoint_dir), os.path.realpath(out)
   if src == dst or src.startswith(dst + os.sep):
@@ -63,7 +69,9 @@ def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False
   pc = count_params(cfg)
   print(f"restored budget {budget or 'full'}: {pc.total:,} total / {pc.active:,} active params, "
         f"{read / 1e6:.1f} MB read in {time.perf_counter() - t0:.1f}s", flush=True)
-  if fmt == "hf":
+  if fmt == "hf" and any(is_qtensor(x) for x in jax.tree.leaves(params, is_leaf=is_qtensor)):
+    modelopt.save_pretrained(out, params, cfg, overwrite=overwrite)   # a quantized family
+  elif fmt == "hf":
     hf.save_pretrained(out, params, cfg, overwrite=overwrite)
   else:
     checkpoint.save(out, params, cfg, tokenizer=checkpoint.tokenizer_file(checkpoint_dir),

@@ -182,8 +182,8 @@ def test_bad_checkpoints(cfg, hf_folder, tmp_path):
 
 
 def test_safetensors_files(tmp_path):
-  """Round trip (bf16 too), lazy reads, and our checks on top of the library: a tensor in two
-  shards, an unsupported dtype, a missing name."""
+  """Round trip (bf16 and fp8 e4m3 too), lazy reads, and our checks on top of the library: a
+  tensor in two shards, an unsupported dtype, a missing name."""
   import ml_dtypes
   a = np.arange(6, dtype=np.float32).reshape(2, 3)
   b = np.arange(4).astype(ml_dtypes.bfloat16)
@@ -200,8 +200,12 @@ def test_safetensors_files(tmp_path):
   import safetensors.numpy
   fp8 = tmp_path / "fp8" / "model.safetensors"
   fp8.parent.mkdir()
-  safetensors.numpy.save_file({"w": np.ones(2, ml_dtypes.float8_e4m3fn)}, str(fp8))
-  with pytest.raises(ValueError, match="tensor 'w' has unsupported dtype F8_E4M3"):
+  e4m3 = np.arange(4, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn)   # ModelOpt scales
+  safetensors.numpy.save_file({"w": e4m3}, str(fp8))
+  back = st.load_folder(str(fp8.parent))["w"]
+  assert back.dtype == e4m3.dtype and np.array_equal(back.astype(np.float32), [0, 1, 2, 3])
+  safetensors.numpy.save_file({"w": np.ones(2, ml_dtypes.float8_e5m2)}, str(fp8))
+  with pytest.raises(ValueError, match="tensor 'w' has unsupported dtype F8_E5M2"):
     st.load_folder(str(fp8.parent))
 
 

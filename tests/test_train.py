@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from elastic_jax import ModelConfig, count_params
@@ -165,6 +167,16 @@ def test_quantized_family_from_the_main_job(reference, tmp_path):
   small, small_cfg = checkpoint.restore(path, "small")
   assert isinstance(small["layers"]["1"]["mixer"]["up"], QTensor)
   assert small_cfg.hidden_size == nested["budget_counts"]["small"]["hidden"]
+  # The slice CLI writes a budget of it in ModelOpt's format, which reads back to the same codes.
+  hf_dir = str(tmp_path / "small_nvfp4")
+  s = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={path}",
+                      "--budget=small", "--format=hf", f"--out={hf_dir}"], capture_output=True,
+                     text=True, timeout=300)
+  assert s.returncode == 0 and "wrote hf sub-model" in s.stdout, s.stderr[-2000:]
+  from elastic_jax.io import modelopt
+  _, back = modelopt.load_pretrained(hf_dir)
+  bits = lambda t: [bytes(np.asarray(x).reshape(-1).view(np.uint8)) for x in jax.tree.leaves(t)]
+  assert bits(back) == bits(small)
   r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   assert "quant: loaded the nvfp4 family" in r.stdout and "qad 1/3" not in r.stdout

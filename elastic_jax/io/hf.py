@@ -161,9 +161,11 @@ def _mamba_from_hf(t, c: ModelConfig):
   return p
 
 
+# The *_to_hf converters only move entries (reshape, transpose, concatenate, permute heads) and
+# read sizes off their inputs, so they also lay out a quantized weight's packed codes and block
+# scales, whose block (input) dim is shorter (io/modelopt.py).
 def _mamba_to_hf(p, c: ModelConfig):
-  D = c.hidden_size
-  flat = lambda a: a.reshape(D, -1)
+  flat = lambda a: a.reshape(a.shape[0], -1)
   in_proj = np.concatenate([flat(p["in_z"]), flat(p["in_x"]), flat(p["in_B"]), flat(p["in_C"]),
                             flat(p["in_dt"])], axis=1).T
   K = p["conv_x"].shape[0]
@@ -171,7 +173,8 @@ def _mamba_to_hf(p, c: ModelConfig):
                          p["conv_C"].reshape(K, -1)], axis=1).T[:, None, :]
   out = {"in_proj.weight": in_proj, "conv1d.weight": conv, "dt_bias": p["dt_bias"].reshape(-1),
          "A_log": p["A_log"].reshape(-1), "D": p["D"].reshape(-1),
-         "norm.weight": p["norm"].reshape(-1), "out_proj.weight": p["out_proj"].reshape(-1, D).T}
+         "norm.weight": p["norm"].reshape(-1),
+         "out_proj.weight": p["out_proj"].reshape(-1, p["out_proj"].shape[-1]).T}
   if c.use_conv_bias:
     out["conv1d.bias"] = np.concatenate([p["conv_x_bias"].reshape(-1), p["conv_B_bias"].reshape(-1),
                                          p["conv_C_bias"].reshape(-1)])
@@ -196,11 +199,12 @@ def _attn_from_hf(t, c: ModelConfig):
 
 
 def _attn_to_hf(p, c: ModelConfig):
-  D, G = c.hidden_size, c.num_kv_heads
+  G = c.num_kv_heads
   q = _group_minor(np.asarray(p["q"]), 1, G, inverse=True)
   o = _group_minor(np.asarray(p["o"]), 0, G, inverse=True)
-  return {"q_proj.weight": q.reshape(D, -1).T, "k_proj.weight": p["k"].reshape(D, -1).T,
-          "v_proj.weight": p["v"].reshape(D, -1).T, "o_proj.weight": o.reshape(-1, D).T}
+  rows = lambda a: a.reshape(a.shape[0], -1).T
+  return {"q_proj.weight": rows(q), "k_proj.weight": rows(p["k"]),
+          "v_proj.weight": rows(p["v"]), "o_proj.weight": o.reshape(-1, o.shape[-1]).T}
 
 
 def _stack(t, names):

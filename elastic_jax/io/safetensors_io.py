@@ -9,12 +9,19 @@ import json
 import os
 from typing import Iterator, Mapping
 
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file as _save_numpy
 
-# What numpy can hold (FP8 needs ml_dtypes types the safetensors numpy backend does not map).
-SUPPORTED = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+# safetensors' numpy backend writes F8_E4M3 from ml_dtypes arrays but reads it back as
+# `numpy.float8_e4m3fn`, which numpy lacks: name ml_dtypes' type there (ModelOpt FP8 / NVFP4
+# scales), only if nobody has.
+if not hasattr(np, "float8_e4m3fn"):
+  np.float8_e4m3fn = ml_dtypes.float8_e4m3fn
+
+# What numpy can hold (with ml_dtypes: bf16, and e4m3 for quantized checkpoints).
+SUPPORTED = ("F64", "F32", "F16", "BF16", "F8_E4M3", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
 class SafetensorsError(ValueError):
@@ -89,7 +96,8 @@ def load_folder(folder: str) -> TensorFiles:
 def save_file(tensors: Mapping[str, np.ndarray], path: str,
               metadata: Mapping[str, str] | None = None) -> None:
   """Writes tensors atomically (temp file + rename)."""
-  arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
+  # (np.asarray, not ascontiguousarray: a scalar stays 0-d, as ModelOpt's scales are.)
+  arrays = {name: np.asarray(a, order="C") for name, a in tensors.items()}
   tmp = path + ".tmp"
   try:
     _save_numpy(arrays, tmp, metadata=dict(metadata) if metadata else None)

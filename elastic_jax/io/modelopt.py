@@ -1,0 +1,278 @@
+"""A quantized (sub-)model as HF safetensors in NVIDIA ModelOpt's format, the one vLLM and
+TensorRT-LLM serve, and back.
+
+Per quantized HF Linear `<m>` (weight [out, in] in HF):
+  NVFP4: `<m>.weight` uint8 [out, in/2] (two E2M1 codes per byte, the even input low),
+         `<m>.weight_scale` float8_e4m3fn [out, in/16], `<m>.weight_scale_2` f32 (global),
+  FP8:   `<m>.weight` float8_e4m3fn [out, in], `<m>.weight_scale` f32,
+and `<m>.input_scale` f32 (activation amax / (6 * 448) for NVFP4, / 448 for FP8) where a
+calibration gave one. `hf_quant_config.json` and config.json's `quantization_config` say
+`quant_method: modelopt`, the algorithm, the group size and the Linear modules left in high
+precision (`exclude_modules`).
+
+The layout is exact: HF's tensors are our codes and scales with their entries moved (each HF
+weight gathers from our leaves by the same index moves `hf.params_to_hf` makes of float
+weights, our block axis being HF's input dim), so a reload holds the very codes and scales that
+were exported and reproduces the quantized model's logits bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.io import hf
+from elastic_jax.io import safetensors_io as st
+from elastic_jax.model.model import logical_axes, param_shapes
+from elastic_jax.quant import formats
+from elastic_jax.quant.qtensor import QTensor, is_qtensor
+from elastic_jax.quant.tree import block_axis
+
+QUANT_ALGO = {"nvfp4": "NVFP4", "fp8": "FP8"}
+FMT_OF_ALGO = {v: k for k, v in QUANT_ALGO.items()}
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+class ModelOptError(ValueError):
+  pass
+
+
+def _leaves(tree) -> dict[str, object]:
+  """{leaf path (keystr): leaf}, a QTensor being one leaf."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qtensor)
+  return {jax.tree_util.keystr(p): x for p, x in flat}
+
+
+def _sources(config: ModelConfig):
+  """(HF name -> float ids, [(leaf path, first id, shape)]): each HF tensor as the ids of the
+  float entries of our leaves it holds (leaf k's entries are ids start_k ... in C order)."""
+  shapes = param_shapes(config)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  table, arrays, start = [], [], 0
+  for path, s in flat:
+    n = int(np.prod(s.shape))
+    table.append((jax.tree_util.keystr(path), start, tuple(s.shape)))
+    arrays.append(np.arange(start, start + n, dtype=np.int64).reshape(s.shape))
+    start += n
+  return hf.params_to_hf(jax.tree_util.tree_unflatten(treedef, arrays), config), table
+
+
+def _owners(ids: np.ndarray, table) -> list[int]:
+  """Indices into `table` of the leaves whose entries `ids` holds."""
+  starts = np.array([t[1] for t in table])
+  return sorted(set(np.searchsorted(starts, np.unique(ids), side="right") - 1))
+
+
+def _component_index(ids: np.ndarray, table, q_of: Mapping[int, QTensor], div: int):
+  """(owner per entry, flat index into that owner's component) for HF ids whose input (last)
+  dim is packed by `div` (2: nvfp4 codes, 16: block scales, 1: fp8 codes): entry [o, k] stands
+  for the float entry [o, k * div], whose block-axis index is divided by `div`."""
+  ids = ids[..., ::div]
+  starts = np.array([t[1] for t in table])
+  owner = np.searchsorted(starts, ids, side="right") - 1
+  flat_index = np.empty(ids.shape, np.int64)
+  for k in np.unique(owner):
+    path, start, shape = table[k]
+    q = q_of[k]
+    sel = owner == k
+    multi = list(np.unravel_index(ids[sel] - start, shape))
+    comp = list(shape)
+    if div > 1:
+      multi[q.axis] = multi[q.axis] // div
+      comp[q.axis] //= div
+    flat_index[sel] = np.ravel_multi_index(multi, comp)
+  return owner, flat_index
+
+
+def _gather(ids, table, q_of, div, component: str):
+  owner, index = _component_index(ids, table, q_of, div)
+  ks = np.unique(owner)
+  first = np.asarray(getattr(q_of[ks[0]], component))
+  out = np.empty(owner.shape, first.dtype)
+  for k in ks:
+    sel = owner == k
+    out[sel] = np.asarray(getattr(q_of[k], component)).reshape(-1)[index[sel]]
+  return out
+
+
+def _module(name: str) -> str:
+  return name[: -len(".weight")]
+
+
+def to_modelopt(qparams, config: ModelConfig,
+                input_amax: Mapping[str, float] | None = None) -> tuple[dict, dict]:
+  """(HF tensors, quantization config) of quantized params (`quant.tree.quantize_params`, or a
+  slice of them). `input_amax`: {HF module name: the amax of its input over calibration data}
+  (`calibrate.input_amax`); a module without one gets no input_scale. Raises ModelOptError
+  where ModelOpt cannot hold the model: one HF Linear made of quantized and unquantized leaves
+  (Mamba's in_proj is z, x, B, C, dt) or of two global scales, or two formats."""
+  leaves = _leaves(qparams)
+  quantized = {k: x for k, x in leaves.items() if is_qtensor(x)}
+  fmts = sorted({x.fmt for x in quantized.values()})
+  if len(fmts) != 1:
+    raise ModelOptError(f"export takes one quantized format, got {fmts or 'none'}")
+  fmt = fmts[0]
+  ids, table = _sources(config)
+  q_of = {k: leaves[path] for k, (path, _, _) in enumerate(table) if is_qtensor(leaves[path])}
+  # Float tensors: the unquantized leaves through the usual converter (placeholders elsewhere).
+  floats = jax.tree_util.tree_map(
+      lambda x: np.zeros(x.shape, np.int8) if is_qtensor(x) else x, qparams, is_leaf=is_qtensor)
+  out, excluded = {}, []
+  for name, hf_tensor in hf.params_to_hf(floats, config).items():
+    owners = _owners(ids[name], table)
+    kinds = {k in q_of for k in owners}
+    if kinds == {False}:
+      out[name] = hf_tensor
+      if name.endswith(".weight") and hf_tensor.ndim == 2 and "embeddings" not in name:
+        excluded.append(_module(name))
+      continue
+    if kinds != {False, True} and len({float(q_of[k].global_scale) for k in owners}) == 1:
+      m = _module(name)
+      scale = np.float32(q_of[owners[0]].global_scale)
+      if fmt == "nvfp4":
+        out[f"{m}.weight"] = _gather(ids[name], table, q_of, 2, "codes")
+        out[f"{m}.weight_scale"] = _gather(ids[name], table, q_of, formats.BLOCK, "block_scale")
+        out[f"{m}.weight_scale_2"] = np.asarray(scale)
+      else:
+        out[f"{m}.weight"] = _gather(ids[name], table, q_of, 1, "codes")
+        out[f"{m}.weight_scale"] = np.asarray(scale)
+      if input_amax and m in input_amax:
+        top = formats.E2M1_MAX * formats.E4M3_MAX if fmt == "nvfp4" else formats.E4M3_MAX
+        out[f"{m}.input_scale"] = np.asarray(np.float32(input_amax[m]) / np.float32(top))
+      continue
+    parts = [table[k][0] for k in owners]
+    raise ModelOptError(f"{name} is one HF Linear made of {parts}: quantize all of them or "
+                        "none, with one global scale (quant.tree.SHARED_SCALE)")
+  quant = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": None,
+           "exclude_modules": sorted(excluded)}
+  if fmt == "nvfp4":
+    quant["group_size"] = formats.BLOCK
+  return out, quant
+
+
+def save_pretrained(folder: str, qparams, config: ModelConfig, *,
+                    input_amax: Mapping[str, float] | None = None,
+                    overwrite: bool = False) -> None:
+  """Writes config.json (with `quantization_config`), hf_quant_config.json and
+  model.safetensors in ModelOpt's format (`to_modelopt`); what `hf.save_pretrained` does for a
+  quantized model."""
+  tensors, quant = to_modelopt(qparams, config, input_amax)
+  cfg = hf.config_to_hf(config)
+  if os.path.exists(os.path.join(folder, "config.json")) and not overwrite:
+    raise ModelOptError(f"{folder} already holds a model; pass overwrite=True to replace it")
+  os.makedirs(folder, exist_ok=True)
+  for name in os.listdir(folder):
+    if name.endswith((".safetensors", ".safetensors.index.json")):
+      os.remove(os.path.join(folder, name))
+  import ml_dtypes
+  bf16 = np.dtype(ml_dtypes.bfloat16) if config.param_dtype == "bfloat16" else np.dtype(
+      config.param_dtype)
+  # High-precision tensors as the model stores them (router fp32, as transformers keeps it);
+  # codes and scales as they are.
+  cast = lambda k, v: (v if v.dtype in (np.uint8, np.dtype(ml_dtypes.float8_e4m3fn)) or
+                       k.endswith(("_scale", "_scale_2")) else
+                       v.astype(np.float32 if ".gate." in k else bf16))
+  st.save_file({k: cast(k, v) for k, v in tensors.items()},
+               os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+  producer = {"name": "elastic-jax", "version": "0.2.0"}
+  _write_json(os.path.join(folder, HF_QUANT_CONFIG), {"producer": producer,
+                                                     "quantization": quant})
+  cfg["quantization_config"] = {"quant_method": "modelopt", **quant}
+  cfg["time_step_limit"] = [v if np.isfinite(v) else {"__float__": "Infinity"}
+                            for v in cfg["time_step_limit"]]
+  _write_json(os.path.join(folder, "config.json"), cfg)
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def is_modelopt(folder: str) -> bool:
+  """Whether `folder`'s config.json declares a ModelOpt quantized model."""
+  try:
+    with open(os.path.join(folder, "config.json")) as f:
+      q = json.load(f).get("quantization_config") or {}
+  except (OSError, ValueError):
+    return False
+  return q.get("quant_method") == "modelopt"
+
+
+class _FloatView(Mapping):
+  """The HF tensors with every quantized weight as float zeros of its HF shape and the scales
+  hidden: what `hf.params_from_hf` reads for the high-precision leaves."""
+
+  def __init__(self, tensors: Mapping, float_shapes: Mapping[str, tuple]):
+    self._t, self._q = tensors, float_shapes
+
+  def __getitem__(self, name):
+    if name in self._q:
+      return np.zeros(self._q[name], np.float32)
+    return self._t[name]
+
+  def __iter__(self):
+    return (k for k in self._t if not k.endswith(("_scale", "_scale_2")))
+
+  def __len__(self):
+    return sum(1 for _ in self)
+
+
+def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
+  """(ModelConfig, params with QTensor leaves) of a ModelOpt NVFP4 / FP8 export: the codes and
+  scales exactly as stored (each quantized HF Linear's entries moved back into our leaves), the
+  rest as `hf.load_pretrained` reads it. Also returns nothing of `input_scale` (our model keeps
+  activations in high precision)."""
+  with open(os.path.join(folder, "config.json")) as f:
+    q = json.load(f).get("quantization_config") or {}
+  algo = q.get("quant_algo")
+  if q.get("quant_method") != "modelopt" or algo not in FMT_OF_ALGO:
+    raise ModelOptError(f"{folder}: config.json quantization_config is not ModelOpt "
+                        f"{sorted(FMT_OF_ALGO)} (got {q.get('quant_method')!r}, {algo!r})")
+  fmt = FMT_OF_ALGO[algo]
+  config = hf.load_config(folder, **overrides)
+  tensors = st.load_folder(folder)
+  ids, table = _sources(config)
+  modules = [_module(n) for n in ids if f"{_module(n)}.weight_scale" in tensors]
+  owned = {k for m in modules for k in _owners(ids[f"{m}.weight"], table)}
+  # The quantized leaves, each blocked along its input dim (read off its logical axes).
+  names = {jax.tree_util.keystr(p): n for p, n in jax.tree_util.tree_flatten_with_path(
+      logical_axes(config), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
+  shells = {k: QTensor(None, None, None, fmt, block_axis(tuple(names[table[k][0]])),
+                       config.param_dtype) for k in owned}
+  params = hf.params_from_hf(_FloatView(tensors, {f"{m}.weight": ids[f"{m}.weight"].shape
+                                                  for m in modules}), config)
+  comps = {k: {} for k in owned}
+  for m in modules:
+    name = f"{m}.weight"
+    parts = ([("codes", 2, tensors[name]), ("block_scale", formats.BLOCK,
+                                            tensors[f"{m}.weight_scale"])] if fmt == "nvfp4"
+             else [("codes", 1, tensors[name])])
+    for comp, div, value in parts:
+      owner, index = _component_index(ids[name], table, shells, div)
+      if value.shape != owner.shape:
+        raise ModelOptError(f"{folder}: {name if comp == 'codes' else m + '.weight_scale'} has "
+                            f"shape {value.shape}, the config expects {owner.shape}")
+      for k in np.unique(owner):
+        path, _, shape = table[k]
+        full = list(shape)
+        if div > 1:
+          full[shells[k].axis] //= div
+        arr = comps[k].setdefault(comp, np.zeros(full, value.dtype))
+        arr.reshape(-1)[index[owner == k]] = value[owner == k]
+    scale = tensors[f"{m}.weight_scale_2" if fmt == "nvfp4" else f"{m}.weight_scale"]
+    for k in _owners(ids[name], table):
+      comps[k]["global_scale"] = np.float32(scale)
+  by_path = {table[k][0]: QTensor(jax.numpy.asarray(c["codes"]),
+                                  None if fmt == "fp8" else jax.numpy.asarray(c["block_scale"]),
+                                  jax.numpy.asarray(c["global_scale"]), fmt, shells[k].axis,
+                                  config.param_dtype)
+             for k, c in comps.items()}
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: by_path.get(jax.tree_util.keystr(p), x), params)
+  return config, params
