@@ -50,10 +50,7 @@ def main(argv):
   inputs = {"hf_dir": FLAGS.hf_dir and os.path.abspath(FLAGS.hf_dir),
             "data_files": [os.path.abspath(f) for f in FLAGS.data_files]}
   run = pipeline.Run(cli.config_value(_CONFIG), FLAGS.workdir, inputs, restart=FLAGS.restart)
-  cfg, hf_params = pipeline.model_config(run, FLAGS.hf_dir)
-  td = pipeline.load_data(run, cfg, FLAGS.data_files)
-  teacher, cfg = pipeline.nested_parent(run, cfg, td, hf_params)
-  family = pipeline.elastic_family(run, cfg, teacher, td)
+  cfg, td, _, family = pipeline.train_family(run, FLAGS.hf_dir, FLAGS.data_files)
   ev = run.config.eval
   rows = evaluate.report(family.params, cfg, family.budget_counts, td.val, td.tokenizer,
                          pipeline.held_out(run), max_think_tokens=ev.max_think_tokens,

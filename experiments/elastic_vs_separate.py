@@ -37,20 +37,6 @@ flags.DEFINE_string("out", None, "where to write the table and plot (default: --
 flags.DEFINE_bool("quick", False, "reduced mode: few steps, the smallest budget only")
 FLAGS = flags.FLAGS
 
-# The reduced mode is the test suite's main-job run (tests/test_train.py), so the test can point
-# this script at that run directory and reuse its parent and family.
-QUICK = {"pretrain.steps": 8, "elastic.stage1_steps": 30, "elastic.stage2_steps": 10,
-         "data.batch": 4, "data.n_text": 300, "data.n_reasoning": 300, "eval.n_reasoning": 4,
-         "eval.max_think_tokens": 8, "eval.max_answer_tokens": 4, "log_every": 5,
-         "checkpoint.save_every": 1000}
-
-
-def _apply_quick(config):
-  for key, value in QUICK.items():
-    section, _, field = key.rpartition(".")
-    (config[section] if section else config)[field] = value
-
-
 def main(argv):
   del argv
   from absl import logging
@@ -58,16 +44,14 @@ def main(argv):
   from elastic_jax import count_params, init, rng
   from elastic_jax.training import evaluate, phases, pipeline
   from elastic_jax.elastic.slicing import slice_params
+  from main_job import apply_quick
 
   config = _CONFIG.value
   if FLAGS.quick:
-    _apply_quick(config)
+    apply_quick(config)
   t0 = time.perf_counter()
   run = pipeline.Run(config, FLAGS.workdir)
-  cfg, _ = pipeline.model_config(run)
-  td = pipeline.load_data(run, cfg)
-  teacher, cfg = pipeline.nested_parent(run, cfg, td)
-  family = pipeline.elastic_family(run, cfg, teacher, td)
+  cfg, td, teacher, family = pipeline.train_family(run)
   examples = pipeline.held_out(run)
   ev, L1, B = config.eval, run.seq_lens[0], config.data.batch
   parent_tokens = config.pretrain.steps * B * L1

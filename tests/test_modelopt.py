@@ -59,7 +59,8 @@ def test_export_has_modelopt_tensors_and_reloads_exactly(small_q, fmt, tmp_path)
   written = json.load(open(tmp_path / "config.json"))["quantization_config"]
   side = json.load(open(tmp_path / "hf_quant_config.json"))["quantization"]
   algo = {"nvfp4": "NVFP4", "fp8": "FP8"}[fmt]
-  assert written["quant_method"] == "modelopt" and written["quant_algo"] == side["quant_algo"] == algo
+  assert written["quant_method"] == "modelopt"
+  assert written["quant_algo"] == side["quant_algo"] == algo
   assert "lm_head" in side["exclude_modules"] and (fmt == "fp8" or side["group_size"] == 16)
   assert modelopt.is_modelopt(str(tmp_path))
   cfg2, back = modelopt.load_pretrained(str(tmp_path))

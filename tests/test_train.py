@@ -183,6 +183,29 @@ def test_quantized_family_from_the_main_job(reference, tmp_path):
   assert report() == rows
 
 
+def test_quantization_experiment_quick_mode(reference, tmp_path):
+  """experiments/quantization.py on the main job's run: every format per budget, the exact
+  nano_v3 bytes (one nested NVFP4 30B ~ the paper's 18.7 GB), the measured scaled family and
+  the 16 GB fit."""
+  ref_dir, _ = reference
+  workdir = tmp_path / "qexp"
+  shutil.copytree(ref_dir, workdir)
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "quantization.py"),
+                      "--quick", f"--workdir={workdir}", "--context=8192"],
+                     capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "elastic: resumed from step 40/40" in r.stdout and "qad 3/3" in r.stdout
+  table = (workdir / "quantization.md").read_text()
+  for fmt in ("bf16", "fp8 PTQ", "nvfp4 PTQ", "nvfp4 QAD"):
+    cells = [l.split("|")[1:3] for l in table.splitlines() if l.startswith("| ")]
+    assert [b.strip() for b, f in cells if f == f" {fmt} " and b.strip() != "nano_v3"] == [
+        "full", "medium", "small"], fmt
+  rows = [l for l in table.splitlines() if l.startswith("| nano_v3 | nvfp4 |")]
+  assert len(rows) == 1 and rows[0].split("|")[3].strip().startswith("18.")
+  assert "| 8,192 | 4.21 | 0.08 | 4.29 | yes |" in table   # 12B-like: every axis at its last choice
+  assert (workdir / "quantization.png").stat().st_size > 10_000
+
+
 def test_train_cli_hf_parent_and_local_files(tmp_path):
   """--hf_dir: no pretraining, and the nested parent is that model (nesting keeps its function,
   so the saved parent's logits equal the HF model's); --data_files: the corpus and tokenizer come

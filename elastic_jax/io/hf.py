@@ -362,32 +362,43 @@ def load_pretrained(folder: str, place=None, **overrides) -> tuple[ModelConfig, 
   return config, load_params(folder, config, place)
 
 
-def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False) -> None:
-  """Writes config.json + model.safetensors (hub layout) that transformers can load. With
-  `overwrite`, the weight files of the model there before (any `*.safetensors` and its index,
-  e.g. a sharded export) are removed first, so loading never mixes in old tensors; other files
-  (tokenizer, ...) stay."""
-  cfg = config_to_hf(c)
+def prepare_folder(folder: str, overwrite: bool) -> None:
+  """Refuses a folder holding a model unless `overwrite`; removes the old weight files (any
+  `*.safetensors` and its index) so loading never mixes in old tensors; other files stay."""
   if os.path.exists(os.path.join(folder, "config.json")) and not overwrite:
     raise HFFormatError(f"{folder} already holds a model; pass overwrite=True to replace it")
   os.makedirs(folder, exist_ok=True)
   for name in os.listdir(folder):
     if name.endswith((".safetensors", ".safetensors.index.json")):
       os.remove(os.path.join(folder, name))
-  tensors = params_to_hf(params, c)
-  dtype = np.dtype(c.param_dtype) if c.param_dtype != "bfloat16" else None
-  if dtype is None:
+
+
+def stored_dtype(c: ModelConfig) -> np.dtype:
+  """The numpy dtype of `c.param_dtype` (bf16 through ml_dtypes)."""
+  if c.param_dtype == "bfloat16":
     import ml_dtypes
-    dtype = np.dtype(ml_dtypes.bfloat16)
-  # Router stays fp32, as transformers keeps it.
-  tensors = {k: v.astype(np.float32 if ".gate." in k else dtype) for k, v in tensors.items()}
-  tmp = os.path.join(folder, "model.safetensors.tmp")
-  st.save_file(tensors, tmp, metadata={"format": "pt"})
-  os.replace(tmp, os.path.join(folder, "model.safetensors"))
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(c.param_dtype)
+
+
+def write_config(folder: str, cfg: dict) -> None:
+  """config.json, atomically, with transformers' JSON encoding of non-finite floats."""
+  cfg = dict(cfg, time_step_limit=[v if math.isfinite(v) else {"__float__": "Infinity"}
+                                   for v in cfg["time_step_limit"]])
   tmp = os.path.join(folder, "config.json.tmp")
-  # transformers' JSON encoding of non-finite floats.
-  cfg["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity"}
-                            for v in cfg["time_step_limit"]]
   with open(tmp, "w") as f:
     json.dump(cfg, f, indent=2)
   os.replace(tmp, os.path.join(folder, "config.json"))
+
+
+def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False) -> None:
+  """Writes config.json + model.safetensors (hub layout) that transformers can load. With
+  `overwrite`, the weight files of the model there before are removed first
+  (`prepare_folder`)."""
+  prepare_folder(folder, overwrite)
+  dtype = stored_dtype(c)
+  # Router stays fp32, as transformers keeps it.
+  tensors = {k: v.astype(np.float32 if ".gate." in k else dtype)
+             for k, v in params_to_hf(params, c).items()}
+  st.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+  write_config(folder, config_to_hf(c))

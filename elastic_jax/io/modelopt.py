@@ -22,6 +22,7 @@ import os
 from typing import Mapping
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from elastic_jax.config import ModelConfig
@@ -161,30 +162,19 @@ def save_pretrained(folder: str, qparams, config: ModelConfig, *,
   model.safetensors in ModelOpt's format (`to_modelopt`); what `hf.save_pretrained` does for a
   quantized model."""
   tensors, quant = to_modelopt(qparams, config, input_amax)
-  cfg = hf.config_to_hf(config)
-  if os.path.exists(os.path.join(folder, "config.json")) and not overwrite:
-    raise ModelOptError(f"{folder} already holds a model; pass overwrite=True to replace it")
-  os.makedirs(folder, exist_ok=True)
-  for name in os.listdir(folder):
-    if name.endswith((".safetensors", ".safetensors.index.json")):
-      os.remove(os.path.join(folder, name))
-  import ml_dtypes
-  bf16 = np.dtype(ml_dtypes.bfloat16) if config.param_dtype == "bfloat16" else np.dtype(
-      config.param_dtype)
+  hf.prepare_folder(folder, overwrite)
+  e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
   # High-precision tensors as the model stores them (router fp32, as transformers keeps it);
   # codes and scales as they are.
-  cast = lambda k, v: (v if v.dtype in (np.uint8, np.dtype(ml_dtypes.float8_e4m3fn)) or
-                       k.endswith(("_scale", "_scale_2")) else
-                       v.astype(np.float32 if ".gate." in k else bf16))
+  cast = lambda k, v: (v if v.dtype in (np.uint8, e4m3) or k.endswith(("_scale", "_scale_2"))
+                       else v.astype(np.float32 if ".gate." in k else hf.stored_dtype(config)))
   st.save_file({k: cast(k, v) for k, v in tensors.items()},
                os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
   producer = {"name": "elastic-jax", "version": "0.2.0"}
   _write_json(os.path.join(folder, HF_QUANT_CONFIG), {"producer": producer,
                                                      "quantization": quant})
-  cfg["quantization_config"] = {"quant_method": "modelopt", **quant}
-  cfg["time_step_limit"] = [v if np.isfinite(v) else {"__float__": "Infinity"}
-                            for v in cfg["time_step_limit"]]
-  _write_json(os.path.join(folder, "config.json"), cfg)
+  hf.write_config(folder, {**hf.config_to_hf(config),
+                           "quantization_config": {"quant_method": "modelopt", **quant}})
 
 
 def _write_json(path: str, obj) -> None:

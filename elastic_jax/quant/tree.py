@@ -169,5 +169,5 @@ def fake_quant_params(params, config: ModelConfig, spec: QuantSpec):
   return _map_chosen(params, config, spec, one)
 
 
-__all__ = ["DEFAULT_LEAVES", "SHARED_SCALE", "QTensor", "QuantSpec", "block_axis", "check", "dequantize_params",
-           "fake_quant_params", "plan", "quantize_params"]
+__all__ = ["DEFAULT_LEAVES", "SHARED_SCALE", "QTensor", "QuantSpec", "block_axis", "check",
+           "dequantize_params", "fake_quant_params", "plan", "quantize_params"]

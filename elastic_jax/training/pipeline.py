@@ -398,9 +398,18 @@ def quantized_family(run: Run, cfg: ModelConfig, family: TrainedFamily,
                   extra={**nested.get("extra", {}), "quant": {**q.to_dict(),
                                                               "leaves": list(q.leaves)}},
                   overwrite=True)
-  print(f"quant: {spec.fmt} family ({'QAD ' + str(q.qad_steps) + ' steps' if q.qad_steps else 'PTQ'})"
-        f" saved to {path}", flush=True)
+  how = f"QAD {q.qad_steps} steps" if q.qad_steps else "PTQ"
+  print(f"quant: {spec.fmt} family ({how}) saved to {path}", flush=True)
   return qparams
+
+
+def train_family(run: Run, hf_dir: str | None = None, data_files: Sequence[str] = ()):
+  """(a) to (d) of the main job, each step resuming from the workdir: (config, data, nested
+  parent, trained family)."""
+  cfg, hf_params = model_config(run, hf_dir)
+  td = load_data(run, cfg, data_files)
+  teacher, cfg = nested_parent(run, cfg, td, hf_params)
+  return cfg, td, teacher, elastic_family(run, cfg, teacher, td)
 
 
 def held_out(run: Run) -> list[dict]:
