@@ -196,8 +196,8 @@ def test_fake_quant_of_the_scanned_layout_quantizes_layer_by_layer(qparams_f32):
 def test_quantized_checkpoint_restores_any_budget_from_prefixes(qparams_f32, fmt, tmp_path):
   """One quantized nested checkpoint (uint8 codes, e4m3 block scales, f32 global scales): the
   full restore is bit-exact, a budget reads the prefixes of its codes and scales (fewer bytes)
-  and equals the slice of the quantized parent, and a code chunk holding other (valid) codes
-  is refused by the full and the budget restore."""
+  and equals the slice of the quantized parent, also restored straight onto a mesh, and a code
+  chunk holding other (valid) codes is refused by the full and the budget restore."""
   import os
   import shutil
   from elastic_jax.io import checkpoint
@@ -221,6 +221,13 @@ def test_quantized_checkpoint_restores_any_budget_from_prefixes(qparams_f32, fmt
   assert isinstance(up, QTensor) and up.codes.dtype == (jnp.uint8 if fmt == "nvfp4" else
                                                         jnp.float8_e4m3fn)
   chex.assert_trees_all_equal(bits(got), bits(want))
+  # Straight into a mesh: codes and block scales split as their float leaf, except along a dim
+  # the shorter component no longer divides.
+  from elastic_jax.parallel import mesh as mesh_lib
+  mesh = mesh_lib.make_mesh("fsdp:2,tensor:2,expert:2")
+  sharded, _ = checkpoint.restore(path, "small", sharding=mesh)
+  chex.assert_trees_all_equal(bits(sharded), bits(want))
+  assert sharded["layers"]["1"]["mixer"]["up"].codes.sharding.spec[0] == "expert"
   bad = str(tmp_path / "bad")
   shutil.copytree(path, bad)
   codes = os.path.join(bad, "state", "params.layers.1.mixer.up.codes")

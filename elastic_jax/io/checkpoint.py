@@ -368,8 +368,9 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
   # A quantized leaf's codes and block scales land as its float leaf would (same rank), its
   # global scale on the same devices, whole.
   sharding = jax.tree_util.tree_map_with_path(
-      lambda p, sh: (_component_shardings(sh, quantized[jax.tree_util.keystr(p)])
-                     if jax.tree_util.keystr(p) in quantized else sh), stored_names(sharding))
+      lambda p, sh, s: (_component_shardings(sh, quantized[jax.tree_util.keystr(p)], s.shape)
+                        if jax.tree_util.keystr(p) in quantized else sh),
+      stored_names(sharding), stored_names(shapes))
   args = jax.tree_util.tree_map(
       lambda s, sh: ocp.ArrayRestoreArgs(global_shape=s.shape, dtype=s.dtype, sharding=sh,
                                          strict=False), abstract, layout(sharding))
@@ -392,12 +393,27 @@ def restore(path: str, budget: str | Mapping[str, Any] | None = None, *,
   return params, small
 
 
-def _component_shardings(sh, desc: Mapping) -> qtensor.QTensor:
-  """Shardings of a QTensor's components (`desc`: its recorded format, axis, dtype) where its
-  float leaf would have `sh`."""
-  whole = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-           if isinstance(sh, jax.sharding.NamedSharding) else sh)
-  return qtensor.QTensor(sh, sh if desc["fmt"] == "nvfp4" else None, whole, **desc)
+def _component_shardings(sh, desc: Mapping, shape) -> qtensor.QTensor:
+  """Shardings of the components of a QTensor (`desc`: its recorded format, axis, dtype) whose
+  float leaf of `shape` would have `sh`: codes and block scales split as the float leaf is,
+  except along a dim the shorter component no longer divides (the block axis: 1/2, 1/16), which
+  stays whole; the global scale whole, on the same devices."""
+  a = qtensor.abstract(shape, **desc)
+  if not isinstance(sh, jax.sharding.NamedSharding):
+    return qtensor.QTensor(sh, None if a.block_scale is None else sh, sh, **desc)
+
+  def fit(comp):
+    spec = list(sh.spec) + [None] * (len(comp.shape) - len(sh.spec))
+    for d, names in enumerate(spec):
+      parts = int(np.prod([sh.mesh.shape[n] for n in
+                           ((names,) if isinstance(names, str) else names or ())]))
+      if comp.shape[d] % parts:
+        spec[d] = None
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec))
+
+  whole = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+  return qtensor.QTensor(fit(a.codes), None if a.block_scale is None else fit(a.block_scale),
+                         whole, **desc)
 
 
 def restore_router(path: str):
