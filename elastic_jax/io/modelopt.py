@@ -108,7 +108,7 @@ def to_modelopt(qparams, config: ModelConfig,
                 input_amax: Mapping[str, float] | None = None) -> tuple[dict, dict]:
   """(HF tensors, quantization config) of quantized params (`quant.tree.quantize_params`, or a
   slice of them). `input_amax`: {HF module name: the amax of its input over calibration data}
-  (`calibrate.input_amax`); a module without one gets no input_scale. Raises ModelOptError
+  (no calibration pass is built in yet); a module without one gets no input_scale. Raises ModelOptError
   where ModelOpt cannot hold the model: one HF Linear made of quantized and unquantized leaves
   (Mamba's in_proj is z, x, B, C, dt) or of two global scales, or two formats."""
   leaves = _leaves(qparams)
@@ -216,8 +216,8 @@ class _FloatView(Mapping):
 def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
   """(ModelConfig, params with QTensor leaves) of a ModelOpt NVFP4 / FP8 export: the codes and
   scales exactly as stored (each quantized HF Linear's entries moved back into our leaves), the
-  rest as `hf.load_pretrained` reads it. Also returns nothing of `input_scale` (our model keeps
-  activations in high precision)."""
+  rest as `hf.load_pretrained` reads it. `input_scale` is not read: our model keeps
+  activations in high precision."""
   with open(os.path.join(folder, "config.json")) as f:
     q = json.load(f).get("quantization_config") or {}
   algo = q.get("quant_algo")
