@@ -381,14 +381,19 @@ def stored_dtype(c: ModelConfig) -> np.dtype:
   return np.dtype(c.param_dtype)
 
 
+def write_json(path: str, obj) -> None:
+  """`obj` as indented JSON at `path`, atomically (a temporary file renamed into place)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
 def write_config(folder: str, cfg: dict) -> None:
   """config.json, atomically, with transformers' JSON encoding of non-finite floats."""
-  cfg = dict(cfg, time_step_limit=[v if math.isfinite(v) else {"__float__": "Infinity"}
-                                   for v in cfg["time_step_limit"]])
-  tmp = os.path.join(folder, "config.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(cfg, f, indent=2)
-  os.replace(tmp, os.path.join(folder, "config.json"))
+  write_json(os.path.join(folder, "config.json"),
+             dict(cfg, time_step_limit=[v if math.isfinite(v) else {"__float__": "Infinity"}
+                                        for v in cfg["time_step_limit"]]))
 
 
 def save_pretrained(folder: str, params, c: ModelConfig, overwrite: bool = False) -> None:

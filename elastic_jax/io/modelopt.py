@@ -108,9 +108,10 @@ def to_modelopt(qparams, config: ModelConfig,
                 input_amax: Mapping[str, float] | None = None) -> tuple[dict, dict]:
   """(HF tensors, quantization config) of quantized params (`quant.tree.quantize_params`, or a
   slice of them). `input_amax`: {HF module name: the amax of its input over calibration data}
-  (no calibration pass is built in yet); a module without one gets no input_scale. Raises ModelOptError
-  where ModelOpt cannot hold the model: one HF Linear made of quantized and unquantized leaves
-  (Mamba's in_proj is z, x, B, C, dt) or of two global scales, or two formats."""
+  (no calibration pass is built in yet); a module without one gets no input_scale. Raises
+  ModelOptError where ModelOpt cannot hold the model: one HF Linear made of quantized and
+  unquantized leaves (Mamba's in_proj is z, x, B, C, dt) or of two global scales, or two
+  formats."""
   leaves = _leaves(qparams)
   quantized = {k: x for k, x in leaves.items() if is_qtensor(x)}
   fmts = sorted({x.fmt for x in quantized.values()})
@@ -171,17 +172,10 @@ def save_pretrained(folder: str, qparams, config: ModelConfig, *,
   st.save_file({k: cast(k, v) for k, v in tensors.items()},
                os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
   producer = {"name": "elastic-jax", "version": "0.2.0"}
-  _write_json(os.path.join(folder, HF_QUANT_CONFIG), {"producer": producer,
-                                                     "quantization": quant})
+  hf.write_json(os.path.join(folder, HF_QUANT_CONFIG), {"producer": producer,
+                                                        "quantization": quant})
   hf.write_config(folder, {**hf.config_to_hf(config),
                            "quantization_config": {"quant_method": "modelopt", **quant}})
-
-
-def _write_json(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
 
 
 def is_modelopt(folder: str) -> bool:
@@ -228,8 +222,10 @@ def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
   config = hf.load_config(folder, **overrides)
   tensors = st.load_folder(folder)
   ids, table = _sources(config)
-  modules = [_module(n) for n in ids if f"{_module(n)}.weight_scale" in tensors]
-  owned = {k for m in modules for k in _owners(ids[f"{m}.weight"], table)}
+  owners = {_module(n): _owners(a, table) for n, a in ids.items()
+            if n.endswith(".weight") and f"{_module(n)}.weight_scale" in tensors}
+  modules = list(owners)
+  owned = {k for ks in owners.values() for k in ks}
   # The quantized leaves, each blocked along its input dim (read off its logical axes).
   names = {jax.tree_util.keystr(p): n for p, n in jax.tree_util.tree_flatten_with_path(
       logical_axes(config), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
@@ -256,7 +252,7 @@ def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
         arr = comps[k].setdefault(comp, np.zeros(full, value.dtype))
         arr.reshape(-1)[index[owner == k]] = value[owner == k]
     scale = tensors[f"{m}.weight_scale_2" if fmt == "nvfp4" else f"{m}.weight_scale"]
-    for k in _owners(ids[name], table):
+    for k in owners[m]:
       comps[k]["global_scale"] = np.float32(scale)
   by_path = {table[k][0]: QTensor(jax.numpy.asarray(c["codes"]),
                                   None if fmt == "fp8" else jax.numpy.asarray(c["block_scale"]),

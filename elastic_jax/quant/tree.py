@@ -119,26 +119,23 @@ def _map_chosen(params, config: ModelConfig, spec: QuantSpec, fn):
              if jax.tree_util.keystr(p) not in names_at]
   if missing or len(flat_paths) != len(names_at):
     raise ValueError(f"params do not match the config's parameter tree (e.g. {missing[:3]})")
-  flat = [x for _, x in flat_paths]
-  flat_names = [(p, names_at[jax.tree_util.keystr(p)]) for p, _ in flat_paths]
-  group = lambda path: (jax.tree_util.keystr(path[:-1]),
-                        SHARED_SCALE.get(path[-1].key, jax.tree_util.keystr(path)))
-  amax = {}
-  for (path, names), leaf in zip(flat_names, flat):
+  out = [x for _, x in flat_paths]
+  # Per chosen leaf: (index, scale group, block axis, stacked).
+  chosen = []
+  for i, (path, _) in enumerate(flat_paths):
     if path[-1].key in spec.leaves:
-      stacked = scanned and tuple(names)[0] == "layers"
-      a = jnp.abs(leaf.astype(jnp.float32))
-      a = jnp.max(a, axis=tuple(range(1, a.ndim))) if stacked else jnp.max(a)
-      g = group(path)
-      amax[g] = a if g not in amax else jnp.maximum(amax[g], a)
-  out = []
-  for (path, names), leaf in zip(flat_names, flat):
-    if path[-1].key in spec.leaves:
-      names = tuple(names)
+      names = tuple(names_at[jax.tree_util.keystr(path)])
       stacked = scanned and names[0] == "layers"
-      b = block_axis(names[1:] if stacked else names)
-      leaf = fn(leaf, b, jax.lax.stop_gradient(amax[group(path)]), stacked)
-    out.append(leaf)
+      group = (jax.tree_util.keystr(path[:-1]),
+               SHARED_SCALE.get(path[-1].key, jax.tree_util.keystr(path)))
+      chosen.append((i, group, block_axis(names[1:] if stacked else names), stacked))
+  amax = {}
+  for i, group, _, stacked in chosen:
+    a = jnp.abs(out[i].astype(jnp.float32))
+    a = jnp.max(a, axis=tuple(range(1, a.ndim))) if stacked else jnp.max(a)
+    amax[group] = a if group not in amax else jnp.maximum(amax[group], a)
+  for i, group, b, stacked in chosen:
+    out[i] = fn(out[i], b, jax.lax.stop_gradient(amax[group]), stacked)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
