@@ -14,6 +14,7 @@ LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("blocked", "dot_product")
+KERNELS = ("xla", "pallas")
 EXPERT_PLACEMENTS = ("contiguous", "balanced")
 # Elastic axis name -> (field listing its choices, field holding its full size).
 CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
@@ -107,6 +108,10 @@ class ModelConfig:
   # or "dot_product" (`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs that
   # support it, else XLA's one-shot [T, T] scores). Decoding over a cache is the same for both.
   attention_impl: str = "blocked"
+  # The chunked SSD scan and the grouped expert matmul (MoE dispatch "ragged" / "ep"): "xla"
+  # (pure jnp and `jax.lax.ragged_dot`, the fast CPU path) or "pallas" (`pallas_kernels`: the
+  # SSD kernels, megablox on TPU, tokamax on GPU; run in Pallas' interpreter on CPU, for tests).
+  kernels: str = "xla"
   # Order of the routed experts in the params' expert axis: "contiguous" (logical order, what
   # checkpoints, slicing and export hold) or "balanced" (`model.expert_placement`: every
   # budget's expert prefix spread evenly over the shards of an expert-parallel mesh; training
@@ -294,6 +299,8 @@ class ModelConfig:
       err("remat", f"{self.remat!r} not in {REMAT}")
     if self.attention_impl not in ATTENTION_IMPLS:
       err("attention_impl", f"{self.attention_impl!r} not in {ATTENTION_IMPLS}")
+    if self.kernels not in KERNELS:
+      err("kernels", f"{self.kernels!r} not in {KERNELS}")
     if self.expert_placement not in EXPERT_PLACEMENTS:
       err("expert_placement", f"{self.expert_placement!r} not in {EXPERT_PLACEMENTS}")
     if not isinstance(self.scan_layers, bool):

@@ -11,6 +11,7 @@ import time
 from absl import flags
 
 from elastic_jax import cli
+from elastic_jax.config import KERNELS
 
 flags.DEFINE_string("checkpoint", None, "nested checkpoint directory (from elastic_jax.train)",
                     required=True)
@@ -29,6 +30,8 @@ flags.DEFINE_integer("max_len", None, "cache size in tokens (default: what the p
                      "caps need); a fixed size reuses compiled programs across runs")
 flags.DEFINE_bool("transplant", False, "elastic: the answer slice continues the think slice's "
                   "cache instead of re-prefilling prompt + trace (approximate)")
+flags.DEFINE_enum("kernels", None, list(KERNELS), "SSD scan and grouped-matmul kernels "
+                  "(default: the checkpoint's; pallas runs interpreted on CPU)")
 FLAGS = flags.FLAGS
 
 
@@ -41,7 +44,7 @@ def main(argv):
   from elastic_jax import rng
   from elastic_jax.inference import budget_control as bc
   from elastic_jax.inference.generate import Sampler
-  family = bc.load_family(FLAGS.checkpoint, mode=FLAGS.mode)
+  family = bc.load_family(FLAGS.checkpoint, mode=FLAGS.mode, kernels=FLAGS.kernels)
   think = family.get(FLAGS.think_budget)
   answer = family.get(FLAGS.answer_budget or FLAGS.think_budget)
   prompts = [bc.prompt_ids(family.tokenizer, q) for q in FLAGS.prompt]

@@ -1,5 +1,8 @@
-"""Pallas kernels (Mamba-2 SSD scan, grouped MoE matmul), each with a pure-jnp reference.
+"""Kernels for the two hot spots, selected by `ModelConfig.kernels` ("xla" | "pallas").
 
-No kernel has landed yet: the model runs the pure-jnp paths in `elastic_jax.model.ssd`
-(chunked SSD) and `elastic_jax.model.moe` (dense / `jax.lax.ragged_dot` dispatch).
+- `ssd`: the Mamba-2 chunked SSD forward and backward as Pallas kernels (Triton on GPU, Mosaic
+  on TPU, Pallas' interpreter on CPU); reference: `elastic_jax.model.ssd`.
+- `gmm`: the MoE grouped matmul, dispatched to the shipped kernel of each platform (megablox on
+  TPU, tokamax on GPU); reference and CPU path: `jax.lax.ragged_dot`.
+This package imports nothing from `elastic_jax`: the model imports it.
 """

@@ -236,13 +236,16 @@ def test_generate_cli_streams(tiny_ckpt):
 
 
 def test_generate_cli_masked_continue_cache_sampled(tiny_ckpt):
-  """--mode=masked --transplant --temperature --seed: the CLI writes what `think_then_answer`
-  writes on the masked family with that sampler and key (and not the greedy answer)."""
+  """--mode=masked --transplant --temperature --seed --kernels=pallas: the CLI writes what
+  `think_then_answer` writes on the masked family (XLA kernels) with that sampler and key (and
+  not the greedy answer): the Pallas SSD, skipping the heads the small budget drops, changes
+  nothing."""
   q = "Calculate 3 + 4."
   r = subprocess.run([sys.executable, "-m", "elastic_jax.generate", f"--checkpoint={tiny_ckpt}",
                       "--think_budget=small", "--answer_budget=full", "--max_think_tokens=6",
                       "--max_answer_tokens=4", f"--prompt={q}", f"--max_len={QUICK_LEN}",
-                      "--mode=masked", "--transplant", "--temperature=1.5", "--seed=3"],
+                      "--mode=masked", "--transplant", "--temperature=1.5", "--seed=3",
+                      "--kernels=pallas"],
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "[small -> full, transplant, masked parent]" in r.stderr

@@ -99,9 +99,11 @@ def _tokenizer_path(path: str) -> str:
   return found
 
 
-def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense") -> Family:
+def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense",
+                kernels: str | None = None) -> Family:
   """Loads the full parent of a nested checkpoint once, with its budget table and tokenizer;
-  slices are cut in memory on demand, so switching budget never reloads weights."""
+  slices are cut in memory on demand, so switching budget never reloads weights. `kernels`
+  ("xla" | "pallas", `ModelConfig.kernels`) overrides the checkpoint's choice."""
   from elastic_jax.training.data import load_tokenizer
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; allowed: {list(MODES)}")
@@ -109,6 +111,8 @@ def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense") -> Fam
   tok = load_tokenizer(_tokenizer_path(path))
   special_ids(tok)  # fail early if the tokenizer lacks <eos> or </think>
   params, cfg = checkpoint.restore(path)
+  if kernels is not None:
+    cfg = cfg.replace(kernels=kernels)
   table = meta.get("budget_counts", {})
   rc = deploy.stored_router_config(meta)
   invalid = {}

@@ -16,6 +16,7 @@ from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
 from elastic_jax.model.norms import channel_score, gated_group_rms_norm
 from elastic_jax.model.ssd import ssd_chunked, ssd_sequential
+from pallas_kernels import ssd as ssd_kernel
 
 SSD_IMPLS = ("chunked", "sequential")
 
@@ -146,12 +147,19 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   if ssd not in SSD_IMPLS:
     raise ValueError(f"ssd must be one of {SSD_IMPLS}, got {ssd!r}")
   # One decode token is one recurrence step; the chunked form would pad it to a whole chunk.
-  if ssd == "chunked" and xs.shape[1] > 1:
-    y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0)
+  D = p["D"].astype(jnp.float32)
+  if ssd == "chunked" and xs.shape[1] > 1 and c.kernels == "pallas":
+    # Heads a hard budget mask drops are skipped by the kernel; its output for them (D x only)
+    # is masked below, as the reference's is.
+    y, h = ssd_kernel.ssd(xs, dt, A, Bm, Cm, c.chunk_size, h0, D, head_mask_GH,
+                          interpret=jax.default_backend() == "cpu")
   else:
-    y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0)
+    if ssd == "chunked" and xs.shape[1] > 1:
+      y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0)
+    else:
+      y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0)
+    y = y + D[..., None] * xs.astype(jnp.float32)
   new_state["ssm"] = h
-  y = y + p["D"].astype(jnp.float32)[..., None] * xs.astype(jnp.float32)
   mask = head_mask_GH
   if channel_mask_P is not None:
     heads = jnp.ones(y.shape[2:4]) if head_mask_GH is None else head_mask_GH

@@ -4,7 +4,8 @@ gates times `routed_scaling_factor`, squared-ReLU experts (not gated), plus one 
 Leaves: router [D,E] fp32, router_bias [E] fp32, up [E,D,F], down [E,F,D], shared_up [D,Fs],
 shared_down [Fs,D]. Four dispatch paths that compute the same function: "dense" (every expert on
 every token, weighted by a sparse gate matrix; for CPU / tiny shapes), "ragged" (tokens sorted
-by expert, `jax.lax.ragged_dot` grouped matmuls), "gather" (each token gathers its k experts'
+by expert, grouped matmuls: `jax.lax.ragged_dot`, or with `kernels="pallas"` the platform's
+kernel, `pallas_kernels.gmm`), "gather" (each token gathers its k experts'
 weights: reads only active weights, for decoding a few tokens at a time) and "ep" (expert
 parallel: "ragged" on each shard of the mesh's `expert` axis, `model/moe_parallel.py`).
 """
@@ -21,6 +22,7 @@ from elastic_jax.config import ModelConfig
 from elastic_jax.model import expert_placement
 from elastic_jax.model import initializers as init
 from elastic_jax.model import moe_parallel
+from pallas_kernels import gmm as gmm_lib
 
 MOE_IMPLS = ("dense", "ragged", "gather", "ep")
 
@@ -92,8 +94,9 @@ def _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=False):
   return (out, act, y) if with_acts else out
 
 
-def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_):
-  return moe_parallel.local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_)
+def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend="xla"):
+  return moe_parallel.local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
+                                    gmm_backend=gmm_backend)
 
 
 def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
@@ -119,6 +122,7 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
   if impl not in MOE_IMPLS:
     raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
   dt_ = jnp.dtype(c.compute_dtype)
+  gmm_backend = "xla" if c.kernels == "xla" else gmm_lib.pallas_backend()
   B, T, D = x_BTD.shape
   x_TD = x_BTD.reshape(B * T, D).astype(dt_)
   placed = c.expert_placement != "contiguous"
@@ -129,7 +133,8 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
   stats = None
   if collect and impl != "dense":
     # The same statistics from the routed assignments alone: no [T, E, F] activations.
-    a = moe_parallel.assignments(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_)
+    a = moe_parallel.assignments(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
+                                 gmm_backend=gmm_backend)
     routed = moe_parallel.combine(a, x_TD, dt_)
     E, k = p["up"].shape[0], c.num_experts_per_tok
     ga = jnp.abs(a["act"].astype(jnp.float32) * a["gate"][:, None])
@@ -151,7 +156,8 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
              "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0)}
   else:
-    routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_)
+    grouped = {"gmm_backend": gmm_backend} if impl in ("ragged", "ep") else {}
+    routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_, **grouped)
   if stats is not None and placed:  # per-expert statistics back in logical order
     inv = np.argsort(perm)
     stats = {name: v if name == "ffn" else v[inv] for name, v in stats.items()}

@@ -3,9 +3,9 @@
 
 The fp32 router runs outside the island (its [D, E] weights are small); inside, each expert
 shard holds E / EP consecutive experts and computes, dropless, every assignment of its tokens
-to those experts (sorted by expert, `jax.lax.ragged_dot` grouped matmuls, the other shards'
-assignments parked past the last group, where ragged_dot writes zeros), then the shards' partial
-outputs are summed:
+to those experts (sorted by expert, grouped matmuls (`pallas_kernels.gmm`), the other
+shards' assignments parked past the last group, where the grouped matmul writes zeros), then
+the shards' partial outputs are summed:
 - tokens not split over `expert` (the batch rule leaves that axis out): every shard already
   holds the same tokens; `psum` over `expert` adds the shards' parts;
 - tokens split over `expert` too ("ep_gather", the portable path): `all_gather` the shard group's
@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.gmm import gmm
+
 EXPERT_AXIS = "expert"
 
 
@@ -32,12 +34,14 @@ def expert_mesh():
   return mesh
 
 
-def assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0):
+def assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0,
+                gmm_backend: str = "xla"):
   """The T*k (token, expert) assignments sorted by expert, each through its expert with grouped
-  matmuls (`ragged_dot`): {"token": [T*k] token index, "expert": [T*k] local expert (E_local
+  matmuls (`pallas_kernels.gmm.gmm`): {"token": [T*k] token index, "expert": [T*k] local expert (E_local
   for assignments outside this shard's [first, first + E_local), sorted last), "gate": [T*k]
   (0 outside the shard), "act": [T*k, F] relu^2 of the up projection (FFN mask applied), "y":
-  [T*k, D] the expert's output, not yet gated}. Dropless, static shapes."""
+  [T*k, D] the expert's output, not yet gated}. Dropless, static shapes. `gmm_backend`: the
+  grouped matmul's kernel (`pallas_kernels.gmm.GMM_BACKENDS`)."""
   T, k = idx.shape
   E = up.shape[0]
   flat = idx.reshape(-1) - first
@@ -46,13 +50,13 @@ def assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Ar
   order = jnp.argsort(group, stable=True)
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
   token_of = order // k
-  h = jax.lax.ragged_dot(x_TD[token_of], up.astype(dt_), group_sizes)
+  h = gmm(x_TD[token_of], up.astype(dt_), group_sizes, backend=gmm_backend)
   if ffn_mask_F is not None:
     h = h * ffn_mask_F.astype(dt_)
   act = jnp.square(jax.nn.relu(h))
   return {"token": token_of, "expert": group[order],
           "gate": jnp.where(mine, gates.reshape(-1), 0.0)[order], "act": act,
-          "y": jax.lax.ragged_dot(act, down.astype(dt_), group_sizes)}
+          "y": gmm(act, down.astype(dt_), group_sizes, backend=gmm_backend)}
 
 
 def combine(a: dict, x_TD, dt_):
@@ -61,10 +65,12 @@ def combine(a: dict, x_TD, dt_):
   return jnp.zeros_like(x_TD).at[a["token"]].add(y)
 
 
-def local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0):
+def local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Array = 0,
+                  gmm_backend: str = "xla"):
   """sum_k gate * expert(x) over the assignments (t, k) whose expert lies in this shard's
   [first, first + E_local); the rest contribute 0. Dropless, static shapes."""
-  return combine(assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first), x_TD, dt_)
+  return combine(assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first, gmm_backend),
+                 x_TD, dt_)
 
 
 def _batch_axes() -> tuple[str, ...]:
@@ -74,11 +80,12 @@ def _batch_axes() -> tuple[str, ...]:
   return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_):
+def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str = "xla"):
   """The routed experts' output [T, D], split over the mesh's `expert` axis when there is one."""
   mesh = expert_mesh()
   if mesh is None:
-    return local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_)
+    return local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
+                         gmm_backend=gmm_backend)
   E, ep = p["up"].shape[0], mesh.shape[EXPERT_AXIS]
   if E % ep:
     raise ValueError(f"{E} routed experts do not split over expert axis of size {ep}")
@@ -95,7 +102,7 @@ def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_):
       # psum; the implicit cast jax inserts misses the gather below and keeps one shard's part).
       x, g = (jax.lax.pcast(a, EXPERT_AXIS, to="varying") for a in (x, g))
     first = jax.lax.axis_index(EXPERT_AXIS) * up.shape[0]
-    y = local_experts(x, g, i, up, down, ffn_mask_F, dt_, first)
+    y = local_experts(x, g, i, up, down, ffn_mask_F, dt_, first, gmm_backend)
     if split:
       return jax.lax.psum_scatter(y, EXPERT_AXIS, scatter_dimension=0, tiled=True)
     return jax.lax.psum(y, EXPERT_AXIS)

@@ -1,0 +1,84 @@
+"""Grouped matmul for the MoE experts: one entry point, the shipped kernel of each platform.
+
+out[rows of group g] = lhs[rows of group g] @ rhs[g], rows sorted by group; rows past the last
+group are 0 (`jax.lax.ragged_dot`'s contract, which the expert-parallel path relies on: the
+other shards' assignments are parked there). Nothing here is hand-written:
+- "xla": `jax.lax.ragged_dot`, the reference and the CPU path;
+- "megablox": `jax.experimental.pallas.ops.tpu.megablox` (Mosaic TPU; its custom VJP computes
+  the weight gradient with `tgmm`); on CPU it runs in interpret mode (tests);
+- "tokamax": `tokamax.ragged_dot(implementation="triton")` on GPU (`pip install tokamax`, the
+  `gpu` extra; it refuses to trace off a GPU, so CPU tests cannot cover it).
+Budget-aware as the kernels are: an expert a budget drops is never routed to, so its group is
+empty and megablox visits no tile of it. A masked expert width (a traced mask) is still a
+full-width matmul: the width shrinks only in the sliced sub-model, whose weights are narrower.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import jax
+import jax.numpy as jnp
+
+GMM_BACKENDS = ("xla", "megablox", "tokamax")
+
+
+def pallas_backend(platform: str | None = None) -> str:
+  """The shipped kernel for `platform` (default: jax's default backend): megablox on TPU and,
+  run interpreted, on CPU; tokamax on GPU when installed, else XLA's ragged_dot (logged)."""
+  platform = platform or jax.default_backend()
+  if platform in ("gpu", "cuda", "rocm"):
+    if importlib.util.find_spec("tokamax") is not None:
+      return "tokamax"
+    _warn_no_tokamax()
+    return "xla"
+  return "megablox"
+
+
+@functools.cache
+def _warn_no_tokamax():
+  logging.warning("kernels=pallas on GPU needs tokamax (pip install 'elastic-jax[gpu]'); "
+                  "the grouped matmul falls back to jax.lax.ragged_dot")
+
+
+def _tile(dim: int, pref: int = 128) -> int:
+  """Megablox tiles must divide the dim: 128 where it does, else the whole dim."""
+  return pref if dim % pref == 0 else dim
+
+
+def _megablox(lhs, rhs, group_sizes, out_dtype, interpret: bool):
+  from jax.experimental.pallas.ops.tpu.megablox import ops
+  m, k = lhs.shape
+  n = rhs.shape[-1]
+  tm = 128 if m >= 128 else -(-m // 8) * 8
+  pad = (-m) % tm
+  # Megablox leaves rows past the last group unwritten, in the forward output and in the
+  # backward's d(lhs); the contract is zeros there, so both sides are selected (a select's
+  # VJP drops the unwritten cotangent rows; a multiply would carry their NaNs).
+  filled = jnp.arange(m) < jnp.sum(group_sizes)
+  lhs = jnp.where(filled[:, None], lhs, 0)
+  out = ops.gmm(jnp.pad(lhs, ((0, pad), (0, 0))), rhs, group_sizes.astype(jnp.int32), out_dtype,
+                (tm, _tile(k), _tile(n)), None, None, False, interpret)[:m]
+  return jnp.where(filled[:, None], out, 0).astype(out_dtype)
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, backend: str = "xla",
+        preferred_element_type=None, interpret: bool | None = None):
+  """Grouped matmul [M,K] x [G,K,N] -> [M,N] with `group_sizes_G` consecutive rows per group.
+
+  `backend` in GMM_BACKENDS (see `pallas_backend` for the platform's kernel). `interpret`
+  (megablox): default True off TPU, so CPU runs the kernel's own code in Pallas' interpreter.
+  Differentiable in lhs and rhs on every backend."""
+  if backend not in GMM_BACKENDS:
+    raise ValueError(f"gmm backend must be one of {GMM_BACKENDS}, got {backend!r}")
+  out_dtype = preferred_element_type or lhs_MK.dtype
+  if backend == "xla":
+    return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype)
+  if backend == "megablox":
+    if interpret is None:
+      interpret = jax.default_backend() != "tpu"
+    return _megablox(lhs_MK, rhs_GKN, group_sizes_G, out_dtype, interpret)
+  import tokamax
+  return tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype,
+                            implementation="triton")
