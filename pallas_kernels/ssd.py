@@ -5,19 +5,19 @@ Same contract as `elastic_jax.model.ssd.ssd_chunked` (its pure-jnp reference, wi
 A [G,H] (negative), Bm / Cm [B,T,G,N] shared by a group's heads, state [B,G,H,P,N]; all math
 in fp32; returns (y [B,T,G,H,P], final state [B,G,H,P,N]).
 
-Kernels. One program per (batch row, head), grid (B, G*H). Inside, the chunks run in order
-(`fori_loop`) with the [P, N] state carried in registers: per chunk of L steps,
+Kernels. Per chunk of L steps, with S the state at the chunk's start,
   y     = (C B^T * decay) (x dt) + exp(cs) * (C S^T)        (intra-chunk, then the carried state)
   S_end = exp(cs_L) S + (exp(cs_L - cs) * x dt)^T B          (cs = cumsum of dt * A in the chunk)
-The backward kernel walks the chunks in reverse, carrying dL/dS, and recomputes each chunk's
-decays from the chunk-start states the forward saved ([B, G*H, T/L, P, N], as the chunked
-reference materialises too). Both use only 2-D dots (`dot_general` with transposed operands),
-elementwise math and row / column reductions: cumulative sums are masked reductions, so there
-is no transpose, scan or cumsum primitive inside a kernel.
-
-Backends: `backend="gpu"` lowers through Triton (P, N and L powers of two, at least 16),
-`"tpu"` through Mosaic (the whole sequence of one head is one VMEM block: T*P*4 bytes per
-operand, fine at 8K context, too large at 49K where a chunk-tiled grid would be needed);
+and the backward walks the chunks in reverse, carrying dL/dS and recomputing each chunk's decays
+from the chunk-start states the forward saved ([B, G*H, T/L, P, N], as the chunked reference
+materialises too). The per-chunk math (`_fwd_chunk`, `_bwd_chunk`) uses only 2-D dots
+(`dot_general` with transposed operands), elementwise math and row / column reductions:
+cumulative sums are masked reductions, so no transpose, scan or cumsum runs inside a kernel.
+Two layouts of the same chunk math:
+- `backend="gpu"` (Triton; P, N and L powers of two, at least 16): grid (B, G*H), each program
+  walks its head's chunks with a fori_loop, the state in registers;
+- `backend="tpu"` (Mosaic): grid (B, G*H, T/L), chunks the sequential last dimension, one
+  chunk's blocks in VMEM per step (any context length), the state in a VMEM scratch.
 `interpret=True` runs anywhere (CPU tests). Budget-aware: a head whose keep flag is 0 (a hard
 budget mask dropped it) is not computed in the undifferentiated forward (inference,
 evaluation): its y is the D skip alone and its final state its initial state (the model's mask
@@ -46,17 +46,10 @@ def default_backend() -> str:
 def _compiler_params(backend: str):
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
-    # Batch and heads are independent programs; chunks are sequential inside each.
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    # Batch and heads are independent programs; a head's chunks run in order.
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
   from jax.experimental.pallas import triton as pltriton
   return pltriton.CompilerParams(num_warps=4, num_stages=1)
-
-
-def _keep_spec(backend: str, gh: int):
-  if backend == "tpu":
-    from jax.experimental.pallas import tpu as pltpu
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
-  return pl.BlockSpec((gh,), lambda b, h: (0,))
 
 
 def _dot(a, b, ca: int, cb: int):
@@ -76,24 +69,57 @@ def _chunk_decays(a_col, a_row, L: int):
   return cs_col, decay, jnp.sum(a_row), causal
 
 
-def _fwd_kernel(keep_ref, xdt_ref, acol_ref, arow_ref, b_ref, c_ref, h0_ref,
-                y_ref, final_ref, starts_ref, *, L: int, n_chunks: int):
-  head = pl.program_id(1)
-  keep = keep_ref[head] != 0
+def _fwd_chunk(xdt, a_col, a_row, Bm, Cm, S, L: int):
+  """One chunk forward: (y [L,P], the state at the chunk's end [P,N])."""
+  cs, decay, total, _ = _chunk_decays(a_col, a_row, L)
+  W = _dot(Cm, Bm, 1, 1) * decay                   # [L,L]
+  y = _dot(W, xdt, 1, 0) + jnp.exp(cs) * _dot(Cm, S, 1, 1)
+  to_end = jnp.exp(total - cs)                     # [L,1]
+  return y, jnp.exp(total) * S + _dot(to_end * xdt, Bm, 0, 0)
+
+
+def _bwd_chunk(xdt, a_col, a_row, Bm, Cm, S, dy, dS, L: int):
+  """One chunk backward from dS = dL/d(state at its end): (d xdt [L,P], d(dt A) [1,L],
+  dB [L,N], dC [L,N], dL/d(state at its start))."""
+  cs, decay, total, causal = _chunk_decays(a_col, a_row, L)
+  e, to_end, e_total = jnp.exp(cs), jnp.exp(total - cs), jnp.exp(total)
+  CB = _dot(Cm, Bm, 1, 1)
+  W = CB * decay
+  BdS = _dot(Bm, dS, 1, 1)                         # [L,P]
+  dxdt = _dot(W, dy, 0, 0) + to_end * BdS
+  dW = _dot(dy, xdt, 1, 1)                         # [L,L]
+  dCB = dW * decay
+  dC = _dot(dCB, Bm, 1, 0) + e * _dot(dy, S, 1, 0)
+  dB = _dot(dCB, Cm, 0, 0) + _dot(to_end * xdt, dS, 1, 0)
+  # d/d(cs) through the decay matrix (cs_l - cs_s), exp(cs), exp(cs_L) and exp(cs_L - cs),
+  # then da_j = sum_{l >= j} dcs_l; the decay matrix's share is sum_{l >= j > s} dM_ls.
+  dM = dW * CB * decay
+  iota = lambda d: jax.lax.broadcasted_iota(jnp.int32, (L, L), d)
+  before = _dot(dM, (iota(0) < iota(1)).astype(jnp.float32), 1, 0)  # [l,j]: sum_{s<j} dM_ls
+  da_decay = jnp.sum(jnp.where(causal, before, 0.0), axis=0, keepdims=True)  # l >= j
+  d_e = jnp.sum(dy * _dot(Cm, S, 1, 1), axis=1, keepdims=True) * e
+  d_to_end = jnp.sum(xdt * BdS, axis=1, keepdims=True) * to_end
+  d_total = jnp.sum(dS * S) * e_total + jnp.sum(d_to_end)
+  da = da_decay + jnp.sum(jnp.where(causal, d_e - d_to_end, 0.0), axis=0, keepdims=True) + d_total
+  return dxdt, da, dB, dC, e_total * dS + _dot(e * dy, Cm, 0, 0)
+
+
+# GPU (Triton): one program per (batch row, head) holds its whole sequence (refs are pointers
+# into global memory) and walks the chunks with a fori_loop, the state in registers.
+
+def _fwd_kernel_seq(keep_ref, xdt_ref, acol_ref, arow_ref, b_ref, c_ref, h0_ref,
+                    y_ref, final_ref, starts_ref, *, L: int, n_chunks: int):
+  keep = keep_ref[pl.program_id(1)] != 0
 
   @pl.when(keep)
   def _():
     def chunk(i, S):
       rows = pl.ds(i * L, L)
-      xdt = xdt_ref[rows, :]                       # [L,P]
-      Bm, Cm = b_ref[rows, :], c_ref[rows, :]      # [L,N]
-      cs, decay, total, _ = _chunk_decays(acol_ref[rows, :], arow_ref[:, rows], L)
       starts_ref[i] = S
-      W = _dot(Cm, Bm, 1, 1) * decay               # [L,L]
-      y = _dot(W, xdt, 1, 0) + jnp.exp(cs) * _dot(Cm, S, 1, 1)
+      y, S = _fwd_chunk(xdt_ref[rows, :], acol_ref[rows, :], arow_ref[:, rows], b_ref[rows, :],
+                        c_ref[rows, :], S, L)
       y_ref[rows, :] = y
-      to_end = jnp.exp(total - cs)                 # [L,1]
-      return jnp.exp(total) * S + _dot(to_end * xdt, Bm, 0, 0)
+      return S
 
     final_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, h0_ref[...].astype(jnp.float32))
 
@@ -104,63 +130,128 @@ def _fwd_kernel(keep_ref, xdt_ref, acol_ref, arow_ref, b_ref, c_ref, h0_ref,
     starts_ref[...] = jnp.zeros(starts_ref.shape, starts_ref.dtype)
 
 
-def _bwd_kernel(xdt_ref, acol_ref, arow_ref, b_ref, c_ref, starts_ref, dy_ref, dfinal_ref,
-                dxdt_ref, da_ref, db_ref, dc_ref, dh0_ref, *, L: int, n_chunks: int):
-  def chunk(j, dS):                                # dS = dL/d(state at this chunk's end)
+def _bwd_kernel_seq(xdt_ref, acol_ref, arow_ref, b_ref, c_ref, starts_ref, dy_ref, dfinal_ref,
+                    dxdt_ref, da_ref, db_ref, dc_ref, dh0_ref, *, L: int, n_chunks: int):
+  def chunk(j, dS):
     i = n_chunks - 1 - j
     rows = pl.ds(i * L, L)
-    xdt, dy = xdt_ref[rows, :], dy_ref[rows, :]
-    Bm, Cm = b_ref[rows, :], c_ref[rows, :]
-    S = starts_ref[i]
-    cs, decay, total, causal = _chunk_decays(acol_ref[rows, :], arow_ref[:, rows], L)
-    e, to_end, e_total = jnp.exp(cs), jnp.exp(total - cs), jnp.exp(total)
-    CB = _dot(Cm, Bm, 1, 1)
-    W = CB * decay
-    BdS = _dot(Bm, dS, 1, 1)                       # [L,P]
-    dxdt_ref[rows, :] = _dot(W, dy, 0, 0) + to_end * BdS
-    dW = _dot(dy, xdt, 1, 1)                       # [L,L]
-    dCB = dW * decay
-    dc_ref[rows, :] = _dot(dCB, Bm, 1, 0) + e * _dot(dy, S, 1, 0)
-    db_ref[rows, :] = _dot(dCB, Cm, 0, 0) + _dot(to_end * xdt, dS, 1, 0)
-    # d/d(cs) through the decay matrix (cs_l - cs_s), exp(cs), exp(cs_L) and exp(cs_L - cs),
-    # then da_j = sum_{l >= j} dcs_l; the decay matrix's share is sum_{l >= j > s} dM_ls.
-    dM = dW * CB * decay
-    iota = lambda d: jax.lax.broadcasted_iota(jnp.int32, (L, L), d)
-    before = _dot(dM, (iota(0) < iota(1)).astype(jnp.float32), 1, 0)  # [l,j]: sum_{s<j} dM_ls
-    da_decay = jnp.sum(jnp.where(causal, before, 0.0), axis=0, keepdims=True)  # l >= j
-    d_e = jnp.sum(dy * _dot(Cm, S, 1, 1), axis=1, keepdims=True) * e
-    d_to_end = jnp.sum(xdt * BdS, axis=1, keepdims=True) * to_end
-    d_total = jnp.sum(dS * S) * e_total + jnp.sum(d_to_end)
-    da_ref[:, rows] = (da_decay + jnp.sum(jnp.where(causal, d_e - d_to_end, 0.0), axis=0,
-                                          keepdims=True) + d_total)
-    return e_total * dS + _dot(e * dy, Cm, 0, 0)
+    dxdt_ref[rows, :], da_ref[:, rows], db_ref[rows, :], dc_ref[rows, :], dS = _bwd_chunk(
+        xdt_ref[rows, :], acol_ref[rows, :], arow_ref[:, rows], b_ref[rows, :], c_ref[rows, :],
+        starts_ref[i], dy_ref[rows, :], dS, L)
+    return dS
 
   dh0_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, dfinal_ref[...].astype(jnp.float32))
 
 
-def _call(kernel, operands, out_shapes, group_operands, H: int, L: int, n_chunks: int,
-          backend: str, interpret: bool):
-  """One pallas_call over (batch, head) with each operand's block picked by its layout;
-  operands at `group_operands` are per group ([B, G, ...]), the others per head."""
-  B, GH = out_shapes[0].shape[:2]
+# TPU (Mosaic): the chunks are the grid's last, sequential ("arbitrary") dimension, so VMEM
+# holds one chunk's blocks at a time (any context length); the state lives in a VMEM scratch
+# that persists across a head's chunk steps. The backward's index maps walk chunks in reverse.
 
-  def spec(shape, per_group=False):
-    if len(shape) == 1:                           # the keep flags
-      return _keep_spec(backend, GH)
-    block = (None, None) + tuple(shape[2:])
-    tail = (0,) * (len(shape) - 2)
-    if per_group:  # lax.div: `//` lowers with a sign fix-up Mosaic's index maps reject
-      return pl.BlockSpec(block, lambda b, h: (b, jax.lax.div(h, H)) + tail)
-    return pl.BlockSpec(block, lambda b, h: (b, h) + tail)
+def _fwd_kernel_tiled(keep_ref, xdt_ref, acol_ref, arow_ref, b_ref, c_ref, h0_ref,
+                      y_ref, final_ref, starts_ref, state_ref, *, L: int, n_chunks: int):
+  keep = keep_ref[pl.program_id(1)] != 0
+  c = pl.program_id(2)
 
+  @pl.when(c == 0)
+  def _():
+    state_ref[...] = h0_ref[...].astype(jnp.float32)
+
+  @pl.when(keep)
+  def _():
+    S = state_ref[...]
+    starts_ref[...] = S
+    y_ref[...], state_ref[...] = _fwd_chunk(xdt_ref[...], acol_ref[...], arow_ref[...],
+                                            b_ref[...], c_ref[...], S, L)
+
+  @pl.when(jnp.logical_not(keep))
+  def _():
+    y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+    starts_ref[...] = jnp.zeros(starts_ref.shape, starts_ref.dtype)
+
+  @pl.when(c == n_chunks - 1)
+  def _():
+    final_ref[...] = state_ref[...]
+
+
+def _bwd_kernel_tiled(xdt_ref, acol_ref, arow_ref, b_ref, c_ref, starts_ref, dy_ref, dfinal_ref,
+                      dxdt_ref, da_ref, db_ref, dc_ref, dh0_ref, dstate_ref, *, L: int,
+                      n_chunks: int):
+  c = pl.program_id(2)
+
+  @pl.when(c == 0)
+  def _():
+    dstate_ref[...] = dfinal_ref[...].astype(jnp.float32)
+
+  dxdt_ref[...], da_ref[...], db_ref[...], dc_ref[...], dstate_ref[...] = _bwd_chunk(
+      xdt_ref[...], acol_ref[...], arow_ref[...], b_ref[...], c_ref[...], starts_ref[...],
+      dy_ref[...], dstate_ref[...], L)
+
+  @pl.when(c == n_chunks - 1)
+  def _():
+    dh0_ref[...] = dstate_ref[...]
+
+
+# Each operand's layout: which of its dims is time ("t": [.., T, X], "t_row": [.., 1, T],
+# "chunks": [.., C, P, N]) or none ("whole": one block per head), and whether it is per
+# group ([B, G, ...]: B and C, shared by a group's heads) rather than per head.
+_FWD_LAYOUT = (("keep", False), ("t", False), ("t", False), ("t_row", False), ("t", True),
+               ("t", True), ("whole", False))
+_FWD_OUT = (("t", False), ("whole", False), ("chunks", False))
+_BWD_LAYOUT = (("t", False), ("t", False), ("t_row", False), ("t", True), ("t", True),
+               ("chunks", False), ("t", False), ("whole", False))
+_BWD_OUT = (("t", False), ("t_row", False), ("t", False), ("t", False), ("whole", False))
+
+
+def _spec(shape, layout: str, per_group: bool, H: int, L: int, backend: str, tiled: bool,
+          reverse: bool, n_chunks: int):
+  """The BlockSpec of one operand: the whole sequence per (batch row, head), or with `tiled`
+  one chunk per grid step (chunk n_chunks - 1 - c on step c with `reverse`)."""
+  if layout == "keep":
+    if backend == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec(shape, lambda *_: (0,))
+  # lax.div: `//` lowers with a sign fix-up Mosaic's index maps reject.
+  owner = (lambda h: jax.lax.div(h, H)) if per_group else (lambda h: h)
+  step = (lambda c: n_chunks - 1 - c) if reverse else (lambda c: c)
+  block = [None, None] + list(shape[2:])
+  if tiled and layout == "t":
+    block[2] = L
+    return pl.BlockSpec(tuple(block), lambda b, h, c: (b, owner(h), step(c), 0))
+  if tiled and layout == "t_row":
+    block[3] = L
+    return pl.BlockSpec(tuple(block), lambda b, h, c: (b, owner(h), 0, step(c)))
+  if tiled and layout == "chunks":
+    block[2] = None
+    return pl.BlockSpec(tuple(block), lambda b, h, c: (b, owner(h), step(c), 0, 0))
+  tail = (0,) * (len(shape) - 2)
+  if tiled:
+    return pl.BlockSpec(tuple(block), lambda b, h, c: (b, owner(h)) + tail)
+  return pl.BlockSpec(tuple(block), lambda b, h: (b, owner(h)) + tail)
+
+
+def _call(backward: bool, operands, out_shapes, H: int, L: int, backend: str, interpret: bool):
+  """One pallas_call of the forward or backward kernel for `backend`'s layout."""
+  B, GH, T = out_shapes[0].shape[:3]
+  n_chunks = T // L
+  tiled = backend == "tpu"
+  layout_in, layout_out = (_BWD_LAYOUT, _BWD_OUT) if backward else (_FWD_LAYOUT, _FWD_OUT)
+  spec = lambda shape, lay: _spec(shape, *lay, H, L, backend, tiled, backward, n_chunks)
+  if tiled:
+    from jax.experimental.pallas import tpu as pltpu
+    kernel = _bwd_kernel_tiled if backward else _fwd_kernel_tiled
+    P, N = out_shapes[-1].shape[-2:] if backward else out_shapes[1].shape[-2:]
+    extra = dict(grid=(B, GH, n_chunks), scratch_shapes=[pltpu.VMEM((P, N), jnp.float32)])
+  else:
+    kernel = _bwd_kernel_seq if backward else _fwd_kernel_seq
+    extra = dict(grid=(B, GH))
   return pl.pallas_call(
       functools.partial(kernel, L=L, n_chunks=n_chunks),
-      grid=(B, GH),
-      in_specs=[spec(o.shape, i in group_operands) for i, o in enumerate(operands)],
-      out_specs=[spec(s.shape) for s in out_shapes],
+      in_specs=[spec(o.shape, lay) for o, lay in zip(operands, layout_in)],
+      out_specs=[spec(s.shape, lay) for s, lay in zip(out_shapes, layout_out)],
       out_shape=out_shapes,
       compiler_params=None if interpret else _compiler_params(backend),
-      interpret=interpret,
+      interpret=interpret, **extra,
   )(*operands)
 
 
@@ -187,8 +278,8 @@ def _forward(keep, xdt, a, Bg, Cg, h0, H, L, backend, interpret):
   f32 = jnp.float32
   out_shapes = [jax.ShapeDtypeStruct((B, GH, T, P), f32), jax.ShapeDtypeStruct((B, GH, P, N), f32),
                 jax.ShapeDtypeStruct((B, GH, n_chunks, P, N), f32)]
-  y, final, starts = _call(_fwd_kernel, (keep, xdt, *_views(a), Bg, Cg, h0), out_shapes, (4, 5),
-                           H, L, n_chunks, backend, interpret)
+  y, final, starts = _call(False, (keep, xdt, *_views(a), Bg, Cg, h0), out_shapes, H, L,
+                           backend, interpret)
   return (y, final), (xdt, a, Bg, Cg, starts)
 
 
@@ -202,8 +293,8 @@ def _ssd_bwd(H, L, backend, interpret, res, cotangents):
                 jax.ShapeDtypeStruct((B, GH, T, N), f32), jax.ShapeDtypeStruct((B, GH, T, N), f32),
                 jax.ShapeDtypeStruct((B, GH, P, N), f32)]
   dxdt, da, dB_h, dC_h, dh0 = _call(
-      _bwd_kernel, (xdt, *_views(a), Bg, Cg, starts, dy.astype(f32), dfinal.astype(f32)),
-      out_shapes, (3, 4), H, L, n_chunks, backend, interpret)
+      True, (xdt, *_views(a), Bg, Cg, starts, dy.astype(f32), dfinal.astype(f32)),
+      out_shapes, H, L, backend, interpret)
   G = GH // H
   per_group = lambda d: d.reshape(B, G, H, T, N).sum(2)   # B and C are shared by a group's heads
   return (jnp.zeros((GH,), f32), dxdt, da[:, :, 0], per_group(dB_h), per_group(dC_h), dh0)

@@ -36,29 +36,31 @@ def _reference(x, dt, A, Bm, Cm, s0, D):
   return y + D[..., None] * x, final
 
 
-def _kernel(chunk, keep=None):
+def _kernel(chunk, keep=None, backend="gpu"):
   return lambda x, dt, A, Bm, Cm, s0, D: ssd_lib.ssd(x, dt, A, Bm, Cm, chunk, s0, D, keep,
-                                                     interpret=True)
+                                                     backend=backend, interpret=True)
 
 
 def _weighted(fn, wy, wf):
   return lambda *a: (lambda y, f: jnp.sum(y * wy) + jnp.sum(f * wf))(*fn(*a))
 
 
-@pytest.mark.parametrize("T,chunk", [(13, 4), (8, 8), (3, 4)])
-def test_ssd_kernel_matches_sequential_scan(T, chunk):
+@pytest.mark.parametrize("T,chunk,backend", [(13, 4, "gpu"), (8, 8, "gpu"), (3, 4, "gpu"),
+                                             (13, 4, "tpu"), (3, 4, "tpu")])
+def test_ssd_kernel_matches_sequential_scan(T, chunk, backend):
   """fp32 values and gradients (x, dt, A, B, C, initial state, D) to 1e-5 of the largest
-  entry; T=13 pads a ragged last chunk, T=3 is shorter than one chunk."""
+  entry, in both layouts (GPU: a program walks a head's chunks; TPU: chunks on the grid);
+  T=13 pads a ragged last chunk, T=3 is shorter than one chunk."""
   inp = _ssd_inputs(T)
   args = tuple(inp.values())
-  y, f = _kernel(chunk)(*args)
+  y, f = _kernel(chunk, backend=backend)(*args)
   y_ref, f_ref = _reference(*args)
   chex.assert_shape(y, (B, T, G_, H, P))
   chex.assert_shape(f, (B, G_, H, P, N))
   np.testing.assert_allclose(y, y_ref, atol=1e-5 * float(jnp.abs(y_ref).max()))
   np.testing.assert_allclose(f, f_ref, atol=1e-5 * float(jnp.abs(f_ref).max()))
   wy, wf = (jax.random.normal(jax.random.PRNGKey(9), v.shape) for v in (y_ref, f_ref))
-  g = jax.grad(_weighted(_kernel(chunk), wy, wf), argnums=range(7))(*args)
+  g = jax.grad(_weighted(_kernel(chunk, backend=backend), wy, wf), argnums=range(7))(*args)
   g_ref = jax.grad(_weighted(_reference, wy, wf), argnums=range(7))(*args)
   for name, a, b in zip(inp, g, g_ref):
     np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), err_msg=name)
@@ -75,7 +77,8 @@ def test_ssd_kernel_bf16_inputs():
   np.testing.assert_allclose(f, f_ref, atol=1e-5 * float(jnp.abs(f_ref).max()))
 
 
-def test_ssd_kernel_skips_dropped_heads():
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_ssd_kernel_skips_dropped_heads(backend):
   """A hard head mask: kept heads equal the reference; in the undifferentiated forward a
   dropped head is not computed (NaN inputs on it reach nothing, its state stays the initial
   one, its output is the D skip alone). Differentiated, every head is computed: gradients equal
@@ -86,7 +89,7 @@ def test_ssd_kernel_skips_dropped_heads():
   dropped = (keep == 0)[None, None]
   x, dt, A, Bm, Cm, s0, D = inp.values()
   dt_nan = jnp.where(dropped, jnp.nan, dt)
-  y, f = _kernel(4, keep)(x, dt_nan, A, Bm, Cm, s0, D)
+  y, f = _kernel(4, keep, backend)(x, dt_nan, A, Bm, Cm, s0, D)
   y_ref, f_ref = _reference(x, dt, A, Bm, Cm, s0, D)
   kept = ~dropped[..., None]
   np.testing.assert_allclose(jnp.where(kept, y, 0), jnp.where(kept, y_ref, 0), atol=1e-4)
@@ -96,7 +99,7 @@ def test_ssd_kernel_skips_dropped_heads():
                              atol=1e-4)
   wy, wf = (jax.random.normal(jax.random.PRNGKey(9), v.shape) for v in (y, f))
   args = (x, dt, A, Bm, Cm, s0, D)
-  g = jax.grad(_weighted(_kernel(4, keep), wy, wf), argnums=range(7))(*args)
+  g = jax.grad(_weighted(_kernel(4, keep, backend), wy, wf), argnums=range(7))(*args)
   g_ref = jax.grad(_weighted(_reference, wy, wf), argnums=range(7))(*args)
   for name, a, b in zip(inp, g, g_ref):
     np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), err_msg=name)
