@@ -172,11 +172,11 @@ def test_gmm_megablox_lowers_for_tpu():
   assert text.count("tpu_custom_call") >= 3      # gmm, and the backward's gmm and tgmm
 
 
-@pytest.mark.parametrize("hard_prob", [0.0, 1.0])
-def test_train_step_with_pallas_kernels_equals_xla(cfg, params, tokens, hard_prob):
+def test_train_step_with_pallas_kernels_equals_xla(cfg, params, tokens):
   """The elastic phase's step loss at the small budget, SSD and ragged MoE through the
   kernels (interpreted): loss and every gradient, the router's included, equal the XLA path's,
-  with soft staircase masks and with straight-through hard ones (masks 0 on dropped heads)."""
+  with straight-through hard masks (0 on dropped heads, not in gradient: the hard case; soft
+  masks are nowhere 0, so every head is computed either way)."""
   rc = R.RouterConfig(hidden=8)
   state = {"model": phases.to_stack_layout(params, cfg), "router": R.init(cfg, rc,
                                                                            jax.random.PRNGKey(0))}
@@ -184,7 +184,7 @@ def test_train_step_with_pallas_kernels_equals_xla(cfg, params, tokens, hard_pro
 
   def run(kernels):
     c = cfg.replace(kernels=kernels)
-    loss_fn = phases.elastic_step_loss(c, rc, 10, moe_impl="ragged", hard_prob=hard_prob)
+    loss_fn = phases.elastic_step_loss(c, rc, 10, moe_impl="ragged", hard_prob=1.0)
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state, *args)
 
   (loss_p, _), g_p = run("pallas")
