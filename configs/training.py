@@ -36,7 +36,8 @@ def defaults() -> ml_collections.ConfigDict:
           "calib_batches": 8,                 # importance ranking before nesting
           # MoE dispatch of student and teacher: "dense" (every expert on every token; exact
           # and simple at tiny sizes), "ragged" (grouped matmul of the routed tokens), "gather",
-          # "ep" (experts split over the mesh's expert axis, ragged on each shard).
+          # "ep" (experts split over the mesh's expert axis, ragged on each shard), "auto"
+          # (picked per call shape: `elastic_jax.model.moe.choose_impl`).
           "moe_impl": "dense",
           # Routed experts' order while distilling: "contiguous", or "balanced" (every budget's
           # expert prefix spread evenly over the expert-parallel shards; function unchanged,

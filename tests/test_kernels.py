@@ -105,6 +105,18 @@ def test_ssd_kernel_skips_dropped_heads(backend):
     np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), err_msg=name)
 
 
+def test_ssd_kernel_padding_mask():
+  """`valid_BT` False on left padding: those steps leave the state alone (dt = 0), so the
+  result equals the reference run with dt zeroed there."""
+  x, dt, A, Bm, Cm, s0, D = _ssd_inputs(13).values()
+  valid = jnp.arange(13)[None, :] >= jnp.array([[3], [0]])
+  y, f = ssd_lib.ssd(x, dt, A, Bm, Cm, 4, s0, D, valid_BT=valid, interpret=True)
+  y_ref, f_ref = _reference(x, jnp.where(valid[..., None, None], dt, 0.0), A, Bm, Cm, s0, D)
+  np.testing.assert_allclose(y, y_ref, atol=1e-5 * float(jnp.abs(y_ref).max()))
+  np.testing.assert_allclose(f, f_ref, atol=1e-5 * float(jnp.abs(f_ref).max()))
+  assert not np.allclose(f, _reference(x, dt, A, Bm, Cm, s0, D)[1], atol=1e-3)
+
+
 def test_ssd_kernel_bad_backend():
   with pytest.raises(ValueError, match="ssd backend must be one of"):
     ssd_lib.ssd(*list(_ssd_inputs(4).values())[:5], 4, backend="cuda")

@@ -66,7 +66,7 @@ class Family:
   budget_counts: Mapping[str, Mapping[str, Any]]
   tokenizer: Any = None
   mode: str = "sliced"
-  moe_impl: str = "dense"
+  moe_impl: str = "auto"
   invalid: Mapping[str, str] = dataclasses.field(default_factory=dict)  # budget -> why refused
   _slices: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -99,7 +99,7 @@ def _tokenizer_path(path: str) -> str:
   return found
 
 
-def load_family(path: str, mode: str = "sliced", moe_impl: str = "dense",
+def load_family(path: str, mode: str = "sliced", moe_impl: str = "auto",
                 kernels: str | None = None) -> Family:
   """Loads the full parent of a nested checkpoint once, with its budget table and tokenizer;
   slices are cut in memory on demand, so switching budget never reloads weights. `kernels`

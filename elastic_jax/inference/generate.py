@@ -38,22 +38,24 @@ from elastic_jax.quant.tree import dequantize_params
 class SubModel:
   """A model that generates: params + config, and masks when it is the parent at a budget.
 
-  Compared by identity: two slices are "the same model" only if they are one object."""
+  Compared by identity: two slices are "the same model" only if they are one object.
+  `moe_impl` "auto" picks the MoE dispatch per call shape (`model.moe.choose_impl`): decode
+  steps of a few rows read only their routed experts ("gather"), prefill computes in bulk."""
   params: Any
   config: ModelConfig
   masks: BudgetMasks | None = None
   name: str = "full"
-  moe_impl: str = "dense"
+  moe_impl: str = "auto"
 
 
 def parent_at_budget(params, config: ModelConfig, counts: Mapping[str, Any] | None,
-                     name: str = "budget", moe_impl: str = "dense") -> SubModel:
+                     name: str = "budget", moe_impl: str = "auto") -> SubModel:
   """The parent restricted to per-axis `counts` by masks (no copy of the weights)."""
   return SubModel(params, config, from_counts(config, counts), name, moe_impl)
 
 
 def standalone(params, config: ModelConfig, counts: Mapping[str, Any] | None, name: str = "budget",
-               moe_impl: str = "dense") -> SubModel:
+               moe_impl: str = "auto") -> SubModel:
   """A standalone sub-model: every tensor prefix-sliced to `counts` (small shapes)."""
   small, small_cfg = slice_params(params, config, counts)
   return SubModel(small, small_cfg, None, name, moe_impl)
