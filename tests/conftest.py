@@ -76,7 +76,7 @@ def tokens():
 
 # `pytest` runs on 2 workers (pytest-xdist, `--dist loadfile`: a file's tests share one
 # worker, its module fixtures and compiled programs). Files are handed out in collection
-# order, so the longest go first (measured serially at b13d2b9, cold XLA cache: test_parallel
+# order, so the longest go first (measured serially at 03b8ce4, cold XLA cache: test_parallel
 # and test_train about 12 minutes each, the rest under 4) and the short ones fill the gaps.
 _LONGEST_FIRST = ("test_parallel", "test_train", "test_quant", "test_phases", "test_modules",
                   "test_router", "test_plan", "test_distill", "test_budget_control",
