@@ -70,7 +70,7 @@ def main(argv):
   it = FLAGS.iters
   peak_dtype = jnp.float32 if on_cpu else jnp.bfloat16
   peak = matmul_peak(peak_dtype, 1024 if on_cpu else 8192, it)
-  rows = [f"| op | budget | path | shape | ms | TFLOP/s | of peak |", "|---|---|---|---|---:|---:|---:|"]
+  rows = ["| op | budget | path | shape | ms | TFLOP/s | of peak |", "|---|---|---|---|---:|---:|---:|"]
 
   def row(op, budget, path, shape, sec, flops):
     rows.append(f"| {op} | {budget} | {path} | {shape} | {sec * 1e3:.1f} | {flops / sec / 1e12:.3f}"
@@ -89,28 +89,25 @@ def main(argv):
   A = -jnp.exp(0.5 * jax.random.normal(ks[2], (G, H)))
   Bm, Cm = (jax.random.normal(k, (1, T, G, N)) for k in ks[3:])
   xla_ssd = jax.jit(lambda *a: ssd_chunked(*a, L)[0])
-  kern_ssd = jax.jit(lambda keep, *a: ssd_lib.ssd(*a, L, head_keep_GH=keep,
-                                                   interpret=on_cpu)[0])
+  kern_ssd = jax.jit(lambda keep, *a: ssd_lib.ssd(*a, L, head_keep_GH=keep)[0])
+  shape = lambda heads: f"T{T} {G}x{heads} P{P} N{N} L{L}"
   for h in levels:
     keep = (jnp.arange(H) < h).astype(jnp.float32)[None].repeat(G, 0)
     sub = (x[:, :, :, :h], dt[:, :, :, :h], A[:, :h], Bm, Cm)
     flops = ssd_flops(T, G * h, P, N, L)
     budget = f"{G * h} heads"
-    shape = f"T{T} {G}x{H} P{P} N{N} L{L}"
-    row("SSD fwd", budget, "xla masked", shape, _time(xla_ssd, x, dt, A, Bm, Cm, iters=it), flops)
-    row("SSD fwd", budget, "xla sliced", shape.replace(f"x{H}", f"x{h}"),
-        _time(xla_ssd, *sub, iters=it), flops)
-    row("SSD fwd", budget, "pallas masked (skips heads)", shape,
+    row("SSD fwd", budget, "xla masked", shape(H), _time(xla_ssd, x, dt, A, Bm, Cm, iters=it),
+        flops)
+    row("SSD fwd", budget, "xla sliced", shape(h), _time(xla_ssd, *sub, iters=it), flops)
+    row("SSD fwd", budget, "pallas masked (skips heads)", shape(H),
         _time(kern_ssd, keep, x, dt, A, Bm, Cm, iters=it), flops)
-    row("SSD fwd", budget, "pallas sliced", shape.replace(f"x{H}", f"x{h}"),
-        _time(kern_ssd, None, *sub, iters=it), flops)
+    row("SSD fwd", budget, "pallas sliced", shape(h), _time(kern_ssd, None, *sub, iters=it), flops)
   # One backward at the full budget: fwd + bwd of a weighted sum.
   loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 3, 4)))
   flops = 3 * ssd_flops(T, G * H, P, N, L)
-  shape = f"T{T} {G}x{H} P{P} N{N} L{L}"
-  row("SSD fwd+bwd", f"{G * H} heads", "xla", shape, _time(loss(xla_ssd), x, dt, A, Bm, Cm,
-                                                            iters=it), flops)
-  row("SSD fwd+bwd", f"{G * H} heads", "pallas", shape,
+  row("SSD fwd+bwd", f"{G * H} heads", "xla", shape(H), _time(loss(xla_ssd), x, dt, A, Bm, Cm,
+                                                               iters=it), flops)
+  row("SSD fwd+bwd", f"{G * H} heads", "pallas", shape(H),
       _time(loss(lambda *a: kern_ssd(None, *a)), x, dt, A, Bm, Cm, iters=it), flops)
 
   # MoE up projection as a grouped matmul: tokens routed top-k among the budget's experts.
@@ -118,11 +115,11 @@ def main(argv):
   # --quick also quarters D and F (the interpreted megablox walks every tile).
   D, E, F, k = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
   tokens = FLAGS.tokens or (64 if FLAGS.quick else 512 if on_cpu else 8192)
-  budgets = list(zip(c.expert_choices, c.moe_ffn_choices))[::4]
+  budgets = list(zip(c.expert_choices, c.moe_ffn_choices))[::4]   # 128 x 1856, 96 x 1344
   if on_cpu:
     scale = 8 if FLAGS.quick else 16
     shrink = 4 if FLAGS.quick else 1
-    budgets = [(e * scale // E, f // shrink) for e, f in budgets[:2 if FLAGS.quick else 3]]
+    budgets = [(e * scale // E, f // shrink) for e, f in budgets]
     E, D, F = scale, D // shrink, F // shrink
   dtype = jnp.float32 if on_cpu else jnp.bfloat16
   lhs = jax.random.normal(ks[0], (tokens * k, D)).astype(dtype)

@@ -304,14 +304,17 @@ _ssd_core.defvjp(_ssd_fwd, _ssd_bwd)
 
 
 def ssd(x, dt, A, Bm, Cm, chunk_size: int, initial_state=None, D=None, head_keep_GH=None, *,
-        valid_BT=None, backend: str | None = None, interpret: bool = False):
+        valid_BT=None, backend: str | None = None, interpret: bool | None = None):
   """Chunked SSD through the Pallas kernels: (y [B,T,G,H,P] fp32, final state [B,G,H,P,N] fp32).
 
   `D` [G,H]: the skip y += D x. `head_keep_GH`: heads whose entry is 0 are not computed (a
   hard budget mask; nonzero entries, soft or hard, are computed). `valid_BT` False marks padded
   steps (dt = 0 there: the state passes through unchanged). Differentiable in x, dt, A, Bm, Cm,
-  D and the initial state (custom VJP: the backward kernel)."""
+  D and the initial state (custom VJP: the backward kernel). `interpret`: default True on a
+  CPU host (Pallas' interpreter), else compiled for `backend` (default: this host's)."""
   backend = backend or default_backend()
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
   if backend not in BACKENDS:
     raise ValueError(f"ssd backend must be one of {BACKENDS}, got {backend!r}")
   b, t, g, h, p = x.shape

@@ -167,7 +167,7 @@ def test_ssd_kernels_lower_for_tpu_and_gpu(platform, backend):
   T, G, H, P_, N_, L = NANO.values()
   args = (s((1, T, G, H, P_), jnp.float32), s((1, T, G, H), jnp.float32), s((G, H), jnp.float32),
           s((1, T, G, N_), jnp.float32), s((1, T, G, N_), jnp.float32))
-  loss = lambda *a: jnp.sum(ssd_lib.ssd(*a, L, backend=backend)[0])
+  loss = lambda *a: jnp.sum(ssd_lib.ssd(*a, L, backend=backend, interpret=False)[0])
   text = jax.jit(jax.grad(loss, argnums=range(5))).trace(*args).lower(
       lowering_platforms=(platform,)).as_text()
   marker = "tpu_custom_call" if platform == "tpu" else "triton"

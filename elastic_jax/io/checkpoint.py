@@ -34,7 +34,7 @@ from elastic_jax.io import fingerprint
 from elastic_jax.model import layouts
 from elastic_jax.model.model import param_shapes
 from elastic_jax.parallel import sharding as shd
-from elastic_jax.parallel.rules import DEFAULT_RULES, Rules
+from elastic_jax.parallel.rules import DEFAULT_RULES, Rules, mesh_axes_of
 from elastic_jax.quant import qtensor
 
 FORMAT = "elastic-jax-nested-v2"
@@ -405,8 +405,7 @@ def _component_shardings(sh, desc: Mapping, shape) -> qtensor.QTensor:
   def fit(comp):
     spec = list(sh.spec) + [None] * (len(comp.shape) - len(sh.spec))
     for d, names in enumerate(spec):
-      parts = int(np.prod([sh.mesh.shape[n] for n in
-                           ((names,) if isinstance(names, str) else names or ())]))
+      parts = int(np.prod([sh.mesh.shape[n] for n in mesh_axes_of(names)]))
       if comp.shape[d] % parts:
         spec[d] = None
     return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec))

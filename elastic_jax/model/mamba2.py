@@ -151,8 +151,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   if ssd == "chunked" and xs.shape[1] > 1 and c.kernels == "pallas":
     # Heads a hard budget mask drops are skipped by the kernel; its output for them (D x only)
     # is masked below, as the reference's is.
-    y, h = ssd_kernel.ssd(xs, dt, A, Bm, Cm, c.chunk_size, h0, D, head_mask_GH,
-                          interpret=jax.default_backend() == "cpu")
+    y, h = ssd_kernel.ssd(xs, dt, A, Bm, Cm, c.chunk_size, h0, D, head_mask_GH)
   else:
     if ssd == "chunked" and xs.shape[1] > 1:
       y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0)
