@@ -34,11 +34,12 @@ def defaults() -> ml_collections.ConfigDict:
           "micro_batches": 4,
           "budget_weight": 1.0, "hard_prob": 0.004,
           "calib_batches": 8,                 # importance ranking before nesting
-          # MoE dispatch of student and teacher: "dense" (every expert on every token; exact
-          # and simple at tiny sizes), "ragged" (grouped matmul of the routed tokens), "gather",
-          # "ep" (experts split over the mesh's expert axis, ragged on each shard), "auto"
-          # (picked per call shape: `elastic_jax.model.moe.choose_impl`).
-          "moe_impl": "dense",
+          # MoE dispatch of every phase (pretraining, importance, student and teacher, QAD):
+          # "auto" (picked per call shape and mesh:
+          # `elastic_jax.model.moe.choose_impl`), "dense" (every expert on every token),
+          # "ragged" (grouped matmul of the routed tokens), "gather", "ep" (experts split over
+          # the mesh's expert axis, ragged on each shard).
+          "moe_impl": "auto",
           # Routed experts' order while distilling: "contiguous", or "balanced" (every budget's
           # expert prefix spread evenly over the expert-parallel shards; function unchanged,
           # checkpoints of the phase hold that order, the nested checkpoint the logical one).

@@ -2,8 +2,10 @@
 
 out[rows of group g] = lhs[rows of group g] @ rhs[g], rows sorted by group; rows past the last
 group are 0 (`jax.lax.ragged_dot`'s contract, which the expert-parallel path relies on: the
-other shards' assignments are parked there). Nothing here is hand-written:
-- "xla": `jax.lax.ragged_dot`, the reference and the CPU path;
+other shards' assignments are parked there). No kernel here is hand-written:
+- "xla": `jax.lax.ragged_dot`, the reference (and XLA's GPU / TPU path);
+- "tiled": one-group row tiles in a loop of plain matmuls (`gmm_tiled.py`), the CPU path: XLA:CPU
+  rewrites `ragged_dot` into a dense matmul against every group;
 - "megablox": `jax.experimental.pallas.ops.tpu.megablox` (Mosaic TPU; its custom VJP computes
   the weight gradient with `tgmm`); on CPU it runs in interpret mode (tests);
 - "tokamax": `tokamax.ragged_dot(implementation="triton")` on GPU (`pip install tokamax`, the
@@ -21,7 +23,15 @@ import logging
 import jax
 import jax.numpy as jnp
 
-GMM_BACKENDS = ("xla", "megablox", "tokamax")
+from pallas_kernels.gmm_tiled import gmm_tiled
+
+GMM_BACKENDS = ("xla", "tiled", "megablox", "tokamax")
+
+
+def xla_backend(platform: str | None = None) -> str:
+  """The grouped matmul of `kernels="xla"` on `platform` (default: jax's default backend):
+  "tiled" on CPU, whose `ragged_dot` computes every group for every row, else `ragged_dot`."""
+  return "tiled" if (platform or jax.default_backend()) == "cpu" else "xla"
 
 
 def pallas_backend(platform: str | None = None) -> str:
@@ -75,6 +85,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, backend: str = "xla",
   out_dtype = preferred_element_type or lhs_MK.dtype
   if backend == "xla":
     return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype)
+  if backend == "tiled":
+    return gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype)
   if backend == "megablox":
     if interpret is None:
       interpret = jax.default_backend() != "tpu"

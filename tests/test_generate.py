@@ -8,7 +8,7 @@ import pytest
 
 from elastic_jax import apply, from_counts
 from elastic_jax.inference import generate as G
-from elastic_jax.model.model import init_cache
+from elastic_jax.model.model import apply_cached, init_cache
 
 SMALL = {"hidden": 24, "mamba_heads": 4, "moe_experts": 6, "moe_ffn": 12}
 MAX_LEN, CHUNK = 24, 4   # shared by every test here: one compiled step per (slice kind, T)
@@ -64,6 +64,20 @@ def test_cached_equals_forward(cfg, params, kind):
     check([1])
   check([0])   # row 0 untouched by six skipped steps
   assert state.pos == 22
+
+
+def test_apply_cached_last_only(cfg, params):
+  """`last_only` returns the last position's logits, [B,1,V], equal to the last row of the full
+  chunk's (which equal the full forward's), and the same cache."""
+  toks = _toks(cfg)[:, :CHUNK]
+  cache = init_cache(cfg, 2, MAX_LEN)
+  full, c_full = apply_cached(params, toks, cache, config=cfg)
+  last, c_last = apply_cached(params, toks, cache, config=cfg, last_only=True)
+  assert full.shape == (2, CHUNK, cfg.vocab_size) and last.shape == (2, 1, cfg.vocab_size)
+  np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, -1]), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(full), np.asarray(fwd(params, toks, config=cfg)),
+                             rtol=1e-4, atol=1e-4)
+  jax.tree.map(np.testing.assert_array_equal, c_full, c_last)
 
 
 def naive_greedy(params, cfg, prompt, n, masks=None, stop=()):

@@ -273,3 +273,34 @@ def test_hf_import_memory_experiment_reduced(tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   row = r.stdout.strip().splitlines()[-1].split("|")
   assert len(row) == 8 and float(row[2]) > 0 and float(row[5]) > 0, r.stdout
+
+
+def test_speed_experiment_quick(tmp_path):
+  """experiments/speed.py --quick: every cell timed on both sides (the ratio is transformers'
+  time over ours), the budget rows, the table; its logit check refuses weights that differ."""
+  import importlib.util
+  import sys
+  exp_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments")
+  sys.path.insert(0, exp_dir)
+  spec = importlib.util.spec_from_file_location("speed", os.path.join(exp_dir, "speed.py"))
+  speed = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(speed)
+  rows, budget_rows = speed.run(str(tmp_path), quick=True)
+  cells = speed.CELLS[True]
+  assert [(r["cell"], r["B"], r["T"]) for r in rows] == (
+      [("prefill", *c) for c in cells["prefill"]] + [("decode", *c) for c in cells["decode"]] +
+      [("train", *c) for c in cells["train"]])
+  for r in rows:
+    assert r["ours_s"] > 0 and r["hf_s"] > 0 and r["ratio"] == r["hf_s"] / r["ours_s"]
+  assert [(r["budget"], r["mode"]) for r in budget_rows] == [
+      ("30B-like", "sliced"), ("23B-like", "masked"), ("23B-like", "sliced"),
+      ("12B-like", "masked"), ("12B-like", "sliced")]
+  assert budget_rows[0]["speedup"] == 1 and budget_rows[-1]["active_ratio"] < 1
+  assert (tmp_path / "speed.md").read_text().count("\n| tiny |") == len(rows)
+  cfg = speed.configs(True)["tiny"]
+  from scaled import random_params
+  params = random_params(cfg)
+  model = speed.hf_model(params, cfg, str(tmp_path / "hf"))
+  with pytest.raises(RuntimeError, match="not the same model"):
+    speed.check_logits(random_params(cfg, seed=1), cfg, model)

@@ -16,6 +16,7 @@ from elastic_jax.inference import generate as G
 from elastic_jax.model.ssd import ssd_sequential
 from elastic_jax.training import phases
 from pallas_kernels import gmm as gmm_lib
+from pallas_kernels import gmm_tiled
 from pallas_kernels import ssd as ssd_lib
 
 B, G_, H, P, N = 2, 2, 3, 4, 8
@@ -122,26 +123,30 @@ def test_ssd_kernel_bad_backend():
     ssd_lib.ssd(*list(_ssd_inputs(4).values())[:5], 4, backend="cuda")
 
 
+@pytest.mark.parametrize("backend,tile", [("megablox", None), ("tiled", None), ("tiled", 4)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_gmm_megablox_matches_ragged_dot(dtype, tol):
+def test_gmm_backend_matches_ragged_dot(backend, tile, dtype, tol):
   """Several groups, two of them empty, and rows past the last group (zeros in the output, no
   gradient); values and gradients of lhs and rhs. bf16: both accumulate in fp32 and round the
-  output to bf16, so they agree to a bf16 ulp or two (2e-2 of the largest entry)."""
+  output to bf16, so they agree to a bf16 ulp or two (2e-2 of the largest entry). The tiled
+  loop with 4-row tiles: groups span several tiles, the last one partly padded."""
   m, k, n = 37, 16, 24
   lhs = jax.random.normal(jax.random.PRNGKey(0), (m, k)).astype(dtype)
   rhs = jax.random.normal(jax.random.PRNGKey(1), (5, k, n)).astype(dtype)
   sizes = jnp.array([10, 0, 12, 0, 5], jnp.int32)          # 27 rows grouped, 10 parked
   ref = gmm_lib.gmm(lhs, rhs, sizes)
-  out = gmm_lib.gmm(lhs, rhs, sizes, backend="megablox")
+  gmm = lambda l, r, b: (gmm_tiled.gmm_tiled(l, r, sizes, tile=tile) if b == "tiled" and tile
+                         else gmm_lib.gmm(l, r, sizes, backend=b))
+  out = gmm(lhs, rhs, backend)
   assert out.dtype == dtype
   scale = float(jnp.abs(ref.astype(jnp.float32)).max())
   np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), atol=tol * scale)
   assert not jnp.any(out[27:])
   w = jax.random.normal(jax.random.PRNGKey(2), (m, n)).astype(dtype)
   grads = lambda b: jax.grad(
-      lambda l, r: jnp.sum((gmm_lib.gmm(l, r, sizes, backend=b) * w).astype(jnp.float32)),
+      lambda l, r: jnp.sum((gmm(l, r, b) * w).astype(jnp.float32)),
       argnums=(0, 1))(lhs, rhs)
-  for a, b in zip(grads("megablox"), grads("xla")):
+  for a, b in zip(grads(backend), grads("xla")):
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     np.testing.assert_allclose(a, b, atol=tol * float(jnp.abs(b).max()))
   with pytest.raises(ValueError, match="gmm backend must be one of"):
@@ -153,6 +158,8 @@ def test_gmm_backend_per_platform():
   assert gmm_lib.pallas_backend("cpu") == "megablox"   # interpreted: the kernel's own code
   # tokamax is the GPU kernel when installed; without it XLA's ragged_dot, never megablox.
   assert gmm_lib.pallas_backend("gpu") in ("tokamax", "xla")
+  # kernels="xla": XLA:CPU's ragged_dot computes every group, so the CPU runs the tiled loop.
+  assert [gmm_lib.xla_backend(p) for p in ("cpu", "gpu", "tpu")] == ["tiled", "xla", "xla"]
 
 
 # nano_v3's Mamba layer shapes (P=64, N=128, chunk 128), fewer heads and two chunks.

@@ -83,7 +83,9 @@ def test_sharded_forward_and_grads_equal_one_device(cfg, params, mesh, scan, moe
   # "ep" finds its mesh in the context (the training phases trace every step under it).
   with S.activation_context(mesh) if moe_impl == "ep" else contextlib.nullcontext():
     got = f(moe_impl)(sp, S.shard_batch(toks, mesh))
-  chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=1e-5, atol=1e-6)
+  # fp32 sums split over devices in another order: 1e-6 absolute on gradients of order 0.1
+  # was once exceeded by one element of 1024 (1.06e-6), hence 2e-6.
+  chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=1e-5, atol=2e-6)
   if moe_impl != "ep":
     # Gradients stay sharded like params. (Under the activation context, with any MoE path, a
     # few gradient leaves come out replicated when nothing pins them; the training step pins

@@ -94,7 +94,8 @@ def _step(params, tokens_BT, valid_BT, cache, masks, key, temperature, top_p, *,
           moe_impl):
   # Quantized params (QTensor leaves) stay packed in memory; the step dequantizes them.
   logits, cache = apply_cached(dequantize_params(params), tokens_BT, cache, masks,
-                               config=config, valid_BT=valid_BT, moe_impl=moe_impl)
+                               config=config, valid_BT=valid_BT, moe_impl=moe_impl,
+                               last_only=True)
   return cache, logits[:, -1], sample(logits[:, -1], key, temperature, top_p)
 
 

@@ -99,7 +99,9 @@ class ElasticLM(nn.Module):
   moe_impl: str = "dense"
   ssd: str = "chunked"
   collect: bool = False
-  head: bool = True   # False: return the final (normed, masked) hidden states instead of logits
+  # True: logits [B,T,V]; "last": the last position's only, [B,1,V] (decoding needs no more);
+  # False: the final (normed, masked) hidden states instead of logits.
+  head: bool | str = True
 
   @nn.compact
   def __call__(self, tokens_BT, masks: BudgetMasks | None = None, *, cache=None, valid_BT=None):
@@ -119,6 +121,8 @@ class ElasticLM(nn.Module):
                                    self.collect, name="layers")(
         x, layer_masks(masks, c.layer_pattern), hm, cache, valid_BT)
     x = RMSNorm(c.hidden_size, c.norm_eps, c.param_dtype, name="final_norm")(x, hm)
+    if self.head == "last":
+      x = x[:, -1:]
     out = lm_head(x, p["lm_head"], c) if self.head else x
     return out, {"stats": stats,
                  "cache": None if cache is None else {**cache, "layers": new_layers}}

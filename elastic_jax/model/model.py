@@ -198,8 +198,11 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dic
 
 
 def apply_cached(params: dict, tokens_BT, cache: dict, masks: BudgetMasks | None = None, *,
-                 config: ModelConfig, valid_BT=None, moe_impl: str = "dense"):
-  """(logits [B,T,V], new cache): the T tokens continue every stream after `cache["pos"]`.
+                 config: ModelConfig, valid_BT=None, moe_impl: str = "dense",
+                 last_only: bool = False):
+  """(logits [B,T,V], new cache): the T tokens continue every stream after `cache["pos"]`;
+  with `last_only` the last position's logits only, [B,1,V] (what decoding samples from: a
+  prefill chunk then skips T-1 rows of the vocabulary projection).
 
   Equals `apply` on the whole sequence so far. `valid_BT` False marks left padding (in each row
   False entries precede True ones: prompts of different lengths, or a row that skips this
@@ -214,7 +217,7 @@ def apply_cached(params: dict, tokens_BT, cache: dict, masks: BudgetMasks | None
   key_valid = jax.lax.dynamic_update_slice(cache["key_valid"], valid_BT, (0, cache["pos"]))
   cache = {**cache, "key_valid": key_valid}
   logits, aux = _forward_jit(params, tokens_BT, masks, config, moe_impl, "chunked", False, "loop",
-                             cache, valid_BT)
+                             cache, valid_BT, head="last" if last_only else True)
   return logits, {**aux["cache"], "pos": cache["pos"] + T}
 
 

@@ -4,11 +4,11 @@ gates times `routed_scaling_factor`, squared-ReLU experts (not gated), plus one 
 Leaves: router [D,E] fp32, router_bias [E] fp32, up [E,D,F], down [E,F,D], shared_up [D,Fs],
 shared_down [Fs,D]. Four dispatch paths that compute the same function: "dense" (every expert on
 every token, weighted by a sparse gate matrix; for CPU / tiny shapes), "ragged" (tokens sorted
-by expert, grouped matmuls: `jax.lax.ragged_dot`, or with `kernels="pallas"` the platform's
-kernel, `pallas_kernels.gmm`), "gather" (each token gathers its k experts'
+by expert, grouped matmuls: `jax.lax.ragged_dot` (a loop of one-group row tiles on CPU), or
+with `kernels="pallas"` the platform's kernel, `pallas_kernels.gmm`), "gather" (each token gathers its k experts'
 weights: reads only active weights, for decoding a few tokens at a time) and "ep" (expert
 parallel: "ragged" on each shard of the mesh's `expert` axis, `model/moe_parallel.py`);
-"auto" picks one by the number of tokens and the backend (`choose_impl`, a measured rule).
+"auto" picks one by the number of tokens and the mesh (`choose_impl`, a measured rule).
 """
 from __future__ import annotations
 
@@ -28,24 +28,25 @@ from pallas_kernels import gmm as gmm_lib
 MOE_IMPLS = ("dense", "ragged", "gather", "ep", "auto")
 
 
-def choose_impl(tokens: int, c: ModelConfig, platform: str | None = None) -> str:
-  """The dispatch "auto" runs for `tokens` tokens (static at trace time) on `platform`.
+def choose_impl(tokens: int, c: ModelConfig) -> str:
+  """The dispatch "auto" runs for `tokens` tokens (static at trace time).
 
-  Measured on this project's 2-core CPU (fp32 forward, median of 5; D 336, F 232, k 6):
+  Measured on this project's 2-core CPU (fp32, median of 3; D 336, F 232, E 32, k 6;
+  `experiments/speed.py` times the whole model):
   - "gather" reads only the routed experts' weights and wins while the T*k assignments are no
-    more than the experts: at E 128, 1.46 ms against dense 24.7 at T 1 and 8.4 against 44.5
-    at T 8, but 65 against 45 at T 32 (T*k 192); at E 32 equal at T 8 (7.3 / 7.1 ms, T*k 48);
-  - above that "dense" on CPU: XLA:CPU's ragged_dot ran 3.8-4.5x slower than computing every
-    expert, even at E 128 top-6 (21x the work): T 512 290 ms dense, 1,295 ms ragged, 786
-    gather; backward 610 against 2,739 ms;
-  - on GPU / TPU "ragged" (grouped-matmul kernels do E/k times less work than dense; not
-    measured here, no accelerator was lent), "ep" inside a mesh with an `expert` axis.
+    more than the experts: at T 2 1.2 ms against 1.8 ragged and 5.7 dense; equal to ragged at
+    T 4 (2.5 ms); at T 8 4.4 against 2.8 ragged; at T 16 73 against 5.8 (at E 128: 8.4 ms
+    against dense 44.5 at T 8, 65 against 45 at T 32);
+  - above that "ragged": on CPU its grouped matmul is the tiled loop (`pallas_kernels.gmm_tiled`;
+    XLA:CPU's own ragged_dot computes every expert for every row, 3.8-4.5x slower than dense),
+    which beats dense at every size measured: T 64 9.8 against 19 ms, T 512 44 against 201
+    (backward 99 against 201); at the tiny config (E 8, k 2) T 512 1.9 against 4.2 ms forward,
+    4.3 against 12.9 backward. On GPU / TPU the grouped-matmul kernels (not measured here, no
+    accelerator was lent); "ep" inside a mesh with an `expert` axis.
   """
   if moe_parallel.expert_mesh() is not None:
     return "ep"
-  if tokens * c.num_experts_per_tok <= c.n_routed_experts:
-    return "gather"
-  return "dense" if (platform or jax.default_backend()) == "cpu" else "ragged"
+  return "gather" if tokens * c.num_experts_per_tok <= c.n_routed_experts else "ragged"
 
 
 class MoE(nn.Module):
@@ -145,7 +146,7 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
   if impl == "auto":
     impl = choose_impl(x_BTD.shape[0] * x_BTD.shape[1], c)
   dt_ = jnp.dtype(c.compute_dtype)
-  gmm_backend = "xla" if c.kernels == "xla" else gmm_lib.pallas_backend()
+  gmm_backend = gmm_lib.xla_backend() if c.kernels == "xla" else gmm_lib.pallas_backend()
   B, T, D = x_BTD.shape
   x_TD = x_BTD.reshape(B * T, D).astype(dt_)
   placed = c.expert_placement != "contiguous"

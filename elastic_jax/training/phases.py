@@ -64,13 +64,15 @@ class LoopOptions:
                                                            self.model_sharding(params, config))
 
 
-def lm_loss(params, tokens_BT, config: ModelConfig, masks=None, lm_chunk: int = 0):
+def lm_loss(params, tokens_BT, config: ModelConfig, masks=None, lm_chunk: int = 0,
+            moe_impl: str = "dense"):
   """Mean next-token cross-entropy of `tokens[:, 1:]` given `tokens[:, :-1]`; `lm_chunk` > 0
-  computes it that many tokens at a time from hidden states (no [B, T, V] logits)."""
+  computes it that many tokens at a time from hidden states (no [B, T, V] logits); `moe_impl`
+  the MoE dispatch (`model.moe.MOE_IMPLS`)."""
   if lm_chunk:
-    hidden = apply_hidden(params, tokens_BT[:, :-1], masks, config=config)
+    hidden = apply_hidden(params, tokens_BT[:, :-1], masks, config=config, moe_impl=moe_impl)
     return chunked_cross_entropy(hidden, params["lm_head"], tokens_BT[:, 1:], config, lm_chunk)
-  logits = apply(params, tokens_BT[:, :-1], masks, config=config)
+  logits = apply(params, tokens_BT[:, :-1], masks, config=config, moe_impl=moe_impl)
   logp = jax.nn.log_softmax(logits)
   return -jnp.mean(jnp.take_along_axis(logp, tokens_BT[:, 1:, None], -1))
 
@@ -193,11 +195,12 @@ def _run(name, loss_fn, params, opt, total, it, loop: LoopOptions, args_for_step
 
 def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions, *,
              lr: float = 3e-3, warmup: int = 20, weight_decay: float = 1e-4,
-             lm_chunk: int = 0, name: str = "pretrain"):
+             lm_chunk: int = 0, moe_impl: str = "dense", name: str = "pretrain"):
   """Trains `params` for `steps` steps of next-token loss on `batches` ([B, L+1] rows);
-  `lm_chunk` > 0 runs the loss that many tokens at a time (`lm_loss`)."""
+  `lm_chunk` > 0 runs the loss that many tokens at a time, `moe_impl` is the MoE dispatch
+  (`lm_loss`)."""
   check_chunk("pretrain.lm_chunk", lm_chunk)
-  loss_fn = lambda p, x: (lm_loss(p, x, config, lm_chunk=lm_chunk), {})
+  loss_fn = lambda p, x: (lm_loss(p, x, config, lm_chunk=lm_chunk, moe_impl=moe_impl), {})
   # Params (and the teacher) are held in the layout the stack runs (scanned when it scans).
   params = to_stack_layout(params, config)
   out = _run(name, loss_fn, params, optim.adamw(lr, steps, warmup, weight_decay), steps,
@@ -207,11 +210,13 @@ def pretrain(params, config: ModelConfig, batches, steps: int, loop: LoopOptions
 
 def distill(student, student_config: ModelConfig, teacher, teacher_config: ModelConfig,
             batches, steps: int, loop: LoopOptions, *, lr: float = 1e-3, warmup: int = 10,
-            weight_decay: float = 1e-4, name: str = "distill"):
-  """Trains a fixed `student` to match the frozen `teacher` (forward KL at T = 1)."""
+            weight_decay: float = 1e-4, moe_impl: str = "dense", name: str = "distill"):
+  """Trains a fixed `student` to match the frozen `teacher` (forward KL at T = 1); `moe_impl`
+  is the MoE dispatch of both."""
   def loss_fn(p, x, teacher):
-    t = jax.lax.stop_gradient(apply(teacher, x[:, :-1], config=teacher_config))
-    return forward_kl(t, apply(p, x[:, :-1], config=student_config)), {}
+    t = jax.lax.stop_gradient(apply(teacher, x[:, :-1], config=teacher_config,
+                                    moe_impl=moe_impl))
+    return forward_kl(t, apply(p, x[:, :-1], config=student_config, moe_impl=moe_impl)), {}
   teacher = commit(loop.place_model(to_stack_layout(teacher, teacher_config), teacher_config))
   student = to_stack_layout(student, student_config)
   out = _run(name, loss_fn, student, optim.adamw(lr, steps, warmup, weight_decay), steps,

@@ -275,7 +275,7 @@ def nested_parent(run: Run, cfg: ModelConfig, td: data.TrainingData, hf_params=N
                              td.iterator(L1, B, rng.seed_for(c.seed, "pretrain_data")),
                              c.pretrain.steps, run.loop("pretrain"), lr=c.pretrain.lr,
                              warmup=c.pretrain.warmup, weight_decay=c.pretrain.weight_decay,
-                             lm_chunk=c.pretrain.lm_chunk)
+                             lm_chunk=c.pretrain.lm_chunk, moe_impl=c.elastic.moe_impl)
   calib_it = td.iterator(L1, B, rng.seed_for(c.seed, "calib_data"))
   calib = [next(calib_it)[:, :-1] for _ in range(c.elastic.calib_batches)]
   # The elastic phase's MoE dispatch: any sparse one collects from the routed tokens alone.

@@ -1,0 +1,320 @@
+"""Side by side with transformers' PyTorch Nemotron-H on this machine's CPU (issue 18): prefill,
+decode and a training step, on the same random weights through our HF export; then decode per
+budget (masked parent and sliced sub-model) against the active-parameter ratio.
+
+Shapes: the tiny config (`configs.tiny`) and the scaled Nemotron 3 Nano of `scaled.py` (all 52
+layers, hidden 336, 32 experts top-6, vocab 16K), both fp32 (CPU has no fast bf16 matmul) with
+transformers' dt clamp `(time_step_min, inf)` so the two compute the same function: the logits
+are compared first and the run stops if they differ. Weights: `scaled.random_params`, written by
+`io.hf.save_pretrained` and read by `NemotronHForCausalLM.from_pretrained`.
+
+Cells (ours / transformers, both greedy, the cache built by both):
+- prefill B x T: `generate.prefill` in one chunk / `model(ids, use_cache=True, logits_to_keep=1)`;
+- decode B of N tokens after a T-token prompt (prefill untimed): `generate.decode` (the jitted
+  step and the host loop streaming needs) / a loop of `model(next, cache=cache)`;
+- train step B x T: next-token cross-entropy, backward, AdamW update, jitted with donated state
+  / `loss.backward(); optimizer.step()`.
+Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). torch uses as many
+threads as XLA's CPU client (every core); the two are interleaved within each repetition (one
+untimed warm-up each, which also compiles ours), and the median is reported. A ratio above 1
+means ours is faster.
+
+  python experiments/speed.py            # tiny and scaled, about 20 minutes on 2 CPU cores
+  python experiments/speed.py --quick    # tiny shape, small cells, one repetition (CI)
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+
+# (batch, prompt tokens) of the prefill cells, (batch, new tokens) of the decode cells, and the
+# train step's (batch, tokens), full and quick.
+CELLS = {False: {"prefill": [(1, 128), (1, 512), (8, 128), (8, 512)], "decode": [(1, 64), (8, 64)],
+                 "train": [(4, 256)], "prompt": 128},
+         True: {"prefill": [(1, 16), (2, 32)], "decode": [(2, 4)], "train": [(2, 16)],
+                "prompt": 8}}
+
+
+def configs(quick: bool) -> dict:
+  """{name: fp32 ModelConfig with transformers' dt clamp}: tiny, and scaled unless `quick`."""
+  from configs.tiny import MODEL
+  from scaled import scaled_config
+  shapes = {"tiny": MODEL} if quick else {"tiny": MODEL, "scaled": scaled_config(False)}
+  return {n: c.replace(param_dtype="float32", compute_dtype="float32",
+                       time_step_limit=(c.time_step_min, math.inf)) for n, c in shapes.items()}
+
+
+def hf_model(params, cfg, folder: str):
+  """transformers' NemotronHForCausalLM holding `params` (fp32, eval mode)."""
+  import torch
+  import transformers
+
+  from elastic_jax.io import hf
+  hf.save_pretrained(folder, params, cfg, overwrite=True)
+  return transformers.NemotronHForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def check_logits(params, cfg, model, T: int = 32) -> float:
+  """Max |ours - transformers| over the logits of one random sequence; raises when it exceeds
+  1e-4 of the largest logit (fp32 on both sides: equal up to summation order)."""
+  import jax
+  import numpy as np
+  import torch
+
+  from elastic_jax import apply
+  ids = np.random.RandomState(1).randint(5, cfg.vocab_size, (1, T)).astype(np.int32)
+  ours = np.asarray(jax.jit(apply, static_argnames=("config", "moe_impl"))(
+      params, ids, config=cfg, moe_impl="dense"))
+  with torch.inference_mode():
+    ref = model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+  diff = float(np.abs(ours - ref).max())
+  if diff > 1e-4 * float(np.abs(ref).max()):
+    raise RuntimeError(f"logits differ from transformers by {diff:.3g}: not the same model")
+  return diff
+
+
+def _prompts(cfg, B: int, T: int, seed: int = 0):
+  import numpy as np
+  return np.random.RandomState(seed).randint(5, cfg.vocab_size, (B, T)).astype(np.int32)
+
+
+def _hf_cache(out):
+  return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
+  """{(kind, B, T): timer} for our model; a timer runs once and returns its seconds."""
+  import jax
+
+  from elastic_jax.inference import generate as G
+  from elastic_jax.model.model import to_stack_layout
+  from elastic_jax.training import optim, phases
+  sub = G.SubModel(params, cfg, moe_impl=moe_impl)
+  timers = {}
+  for B, T in cells["prefill"]:
+    prompts = list(_prompts(cfg, B, T))
+
+    def prefill(prompts=prompts, T=T):
+      t = time.perf_counter()
+      jax.block_until_ready(G.prefill(sub, prompts, max_len=T + 1, chunk=T).logits)
+      return time.perf_counter() - t
+    timers[("prefill", B, T)] = prefill
+  P = cells["prompt"]
+  for B, N in cells["decode"]:
+    prompts = list(_prompts(cfg, B, P))
+
+    def decode(prompts=prompts, N=N):
+      s = G.prefill(sub, prompts, max_len=P + N + 1, chunk=P)
+      jax.block_until_ready(s.logits)
+      t = time.perf_counter()
+      jax.block_until_ready(G.decode(sub, s, N)[1].logits)
+      return time.perf_counter() - t
+    timers[("decode", B, N)] = decode
+  for B, T in cells["train"]:
+    x = _prompts(cfg, B, T + 1)
+    opt = optim.adamw(1e-4, 1000, 0)
+    step = phases.train_step(
+        lambda p, x: (phases.lm_loss(p, x, cfg, moe_impl=moe_impl), {}), opt)
+    stacked = to_stack_layout(params, cfg)
+    box = {"state": {"params": jax.tree.map(lambda a: a.copy(), stacked),
+                     "opt": opt.init(stacked)}}
+
+    def train(x=x, step=step, box=box):
+      t = time.perf_counter()
+      box["state"], m = step(box["state"], x)
+      jax.block_until_ready(m["loss"])
+      return time.perf_counter() - t
+    timers[("train", B, T)] = train
+  return timers
+
+
+def hf_cells(model, cfg, cells: dict) -> dict:
+  """The same cells for transformers' model (timers as `ours_cells`)."""
+  import torch
+  timers = {}
+  for B, T in cells["prefill"]:
+    ids = torch.tensor(_prompts(cfg, B, T), dtype=torch.long)
+
+    def prefill(ids=ids):
+      with torch.inference_mode():
+        t = time.perf_counter()
+        model(ids, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t
+    timers[("prefill", B, T)] = prefill
+  P = cells["prompt"]
+  for B, N in cells["decode"]:
+    ids = torch.tensor(_prompts(cfg, B, P), dtype=torch.long)
+
+    def decode(ids=ids, N=N):
+      with torch.inference_mode():
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        t = time.perf_counter()
+        for _ in range(N):
+          nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+          out = model(nxt, cache=_hf_cache(out), use_cache=True)
+        return time.perf_counter() - t
+    timers[("decode", B, N)] = decode
+  for B, T in cells["train"]:
+    ids = torch.tensor(_prompts(cfg, B, T + 1), dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train(ids=ids, opt=opt):
+      model.train()
+      t = time.perf_counter()
+      opt.zero_grad(set_to_none=True)
+      model(ids, labels=ids).loss.backward()
+      opt.step()
+      dt = time.perf_counter() - t
+      model.eval()
+      return dt
+    timers[("train", B, T)] = train
+  return timers
+
+
+def interleaved(timers: dict[str, callable], reps: int) -> dict[str, float]:
+  """Median seconds of each timer over `reps` rounds, after one untimed warm-up each; the timers
+  alternate within each round so that a change of load on a shared machine hits all."""
+  for f in timers.values():
+    f()
+  times = {n: [] for n in timers}
+  for _ in range(reps):
+    for n, f in timers.items():
+      times[n].append(f())
+  return {n: statistics.median(v) for n, v in times.items()}
+
+
+def side_by_side(name: str, cfg, params, moe_impl: str, quick: bool, reps: int,
+                 folder: str) -> tuple[list[dict], float]:
+  """Every cell of one shape, ours against transformers: (rows, logit difference)."""
+  model = hf_model(params, cfg, folder)
+  diff = check_logits(params, cfg, model)
+  cells = CELLS[quick]
+  ours, ref = ours_cells(params, cfg, moe_impl, cells), hf_cells(model, cfg, cells)
+  rows = []
+  for key in ours:   # one cell at a time: both sides' compiled state and caches stay small
+    t = interleaved({"ours": ours[key], "hf": ref[key]}, reps)
+    kind, B, T = key
+    rows.append({"shape": name, "cell": kind, "B": B, "T": T, "ours_s": t["ours"],
+                 "hf_s": t["hf"], "ratio": t["hf"] / t["ours"]})
+    print(f"  {name} {kind} B{B} {'N' if kind == 'decode' else 'T'}{T}: ours "
+          f"{t['ours']:.3f} s, transformers {t['hf']:.3f} s, {t['hf'] / t['ours']:.2f}x",
+          flush=True)
+  return rows, diff
+
+
+def budgets(cfg, params, moe_impl: str, quick: bool, reps: int) -> list[dict]:
+  """Decode tokens/s of the full model, and per budget of the masked parent and the sliced
+  sub-model, against the active-parameter ratio (`count_params`)."""
+  import jax
+
+  from elastic_jax import count_params
+  from elastic_jax.inference import generate as G
+  from scaled import paper_like_budgets
+  B, P, N = (2, 8, 4) if quick else (4, 128, 32)
+  prompts = list(_prompts(cfg, B, P))
+
+  def timer(sub):
+    def run():
+      s = G.prefill(sub, prompts, max_len=P + N + 1, chunk=P)
+      jax.block_until_ready(s.logits)
+      t = time.perf_counter()
+      jax.block_until_ready(G.decode(sub, s, N)[1].logits)
+      return time.perf_counter() - t
+    return run
+
+  full = count_params(cfg).active
+  subs, timers = {}, {}
+  for name, counts in paper_like_budgets(cfg).items():
+    sliced = G.standalone(params, cfg, counts, name, moe_impl=moe_impl)
+    subs[name] = count_params(sliced.config).active / full
+    timers[(name, "sliced")] = timer(sliced)
+    if counts:
+      timers[(name, "masked")] = timer(G.parent_at_budget(params, cfg, counts, name,
+                                                          moe_impl=moe_impl))
+  t = interleaved(timers, reps)
+  base = t[("30B-like", "sliced")]
+  rows = []
+  for name, active in subs.items():
+    for mode in ("masked", "sliced"):
+      if (name, mode) in t:
+        speed = base / t[(name, mode)]
+        rows.append({"budget": name, "mode": mode, "active_ratio": active,
+                     "decode_tok_s": B * N / t[(name, mode)], "speedup": speed,
+                     "of_ideal": speed * active})
+  return rows
+
+
+def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_impl: str,
+           reps: int) -> str:
+  """The markdown tables (and the header naming the machine and settings)."""
+  import jax
+  import torch
+  import transformers
+  head = (f"Ours (jax {jax.__version__}, MoE dispatch `{moe_impl}`) against transformers "
+          f"{transformers.__version__} `NemotronHForCausalLM` (torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads), fp32, {os.cpu_count()} CPU cores, same weights "
+          f"(max logit difference: " + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()) +
+          f"), median of {reps}. Ratio = transformers' time / ours (above 1: ours is faster).")
+  lines = [head, "", "| shape | cell | batch | tokens | ours s | transformers s | ratio |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+  for r in shape_rows:
+    what = f"{r['T']} new" if r["cell"] == "decode" else str(r["T"])
+    lines.append(f"| {r['shape']} | {r['cell']} | {r['B']} | {what} | {r['ours_s']:.3f} | "
+                 f"{r['hf_s']:.3f} | {r['ratio']:.2f}x |")
+  if budget_rows:
+    lines += ["", "Decode per budget (ours; speed-up over the full model; ideal = 1 / active "
+              "ratio; of ideal = speed-up x active ratio, target >= 0.9 for sliced):", "",
+              "| budget | mode | active ratio | decode tok/s | speed-up | ideal | of ideal |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in budget_rows:
+      lines.append(f"| {r['budget']} | {r['mode']} | {r['active_ratio']:.3f} | "
+                   f"{r['decode_tok_s']:,.1f} | {r['speedup']:.2f}x | "
+                   f"{1 / r['active_ratio']:.2f}x | {r['of_ideal']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = "auto",
+        shapes: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
+  """Runs every cell; prints and writes `out/speed.md`; returns (cell rows, budget rows)."""
+  import torch
+
+  from scaled import random_params
+  reps = reps or (1 if quick else 3)
+  torch.set_num_threads(len(os.sched_getaffinity(0)))   # XLA:CPU's pool spans these cores
+  rows, diffs, budget_rows = [], {}, []
+  cfgs = {n: c for n, c in configs(quick).items() if not shapes or n in shapes}
+  with tempfile.TemporaryDirectory() as folder:
+    for name, cfg in cfgs.items():
+      params = random_params(cfg)
+      print(f"{name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}", flush=True)
+      r, diffs[name] = side_by_side(name, cfg, params, moe_impl, quick, reps, folder)
+      rows += r
+      if name == ("tiny" if quick else "scaled"):
+        budget_rows = budgets(cfg, params, moe_impl, quick, reps)
+  text = report(rows, diffs, budget_rows, moe_impl, reps)
+  print(text)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "speed.md"), "w") as f:
+    f.write("# Speed against transformers\n\n" + text)
+  return rows, budget_rows
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  F = flags.FLAGS
+  run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_string("out", "runs/speed", "where to write speed.md")
+  flags.DEFINE_bool("quick", False, "tiny shape, small cells, one repetition (CI)")
+  flags.DEFINE_integer("reps", None, "timed repetitions (default 3; quick 1)")
+  flags.DEFINE_enum("moe_impl", "auto", ["auto", "dense", "ragged", "gather"], "our MoE dispatch")
+  flags.DEFINE_list("shapes", None, "only these shapes (tiny, scaled); default all")
+  app.run(main)
