@@ -77,16 +77,20 @@ class Sampler:
 def sample(logits_BV, key, temperature, top_p):
   """One token per row; `temperature` and `top_p` may be traced (no recompile per value)."""
   logits = logits_BV.astype(jnp.float32)
-  greedy = jnp.argmax(logits, -1)
-  scaled = logits / jnp.maximum(temperature, 1e-6)
-  order = jnp.argsort(-scaled, -1)
-  sorted_l = jnp.take_along_axis(scaled, order, -1)
-  probs = jax.nn.softmax(sorted_l, -1)
-  # Drop a token once the mass before it already reaches top_p (the first always stays).
-  drop = (jnp.cumsum(probs, -1) - probs) >= top_p
-  pick = jax.random.categorical(key, jnp.where(drop, -jnp.inf, sorted_l), -1)
-  sampled = jnp.take_along_axis(order, pick[:, None], -1)[:, 0]
-  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+  def sampled(logits):
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled, -1)
+    sorted_l = jnp.take_along_axis(scaled, order, -1)
+    probs = jax.nn.softmax(sorted_l, -1)
+    # Drop a token once the mass before it already reaches top_p (the first always stays).
+    drop = (jnp.cumsum(probs, -1) - probs) >= top_p
+    pick = jax.random.categorical(key, jnp.where(drop, -jnp.inf, sorted_l), -1)
+    return jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32)
+
+  # A branch, not a select: greedy decoding skips the sort over the vocabulary.
+  return jax.lax.cond(temperature > 0, sampled,
+                      lambda logits: jnp.argmax(logits, -1).astype(jnp.int32), logits)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "moe_impl"), donate_argnames=("cache",))
