@@ -5,8 +5,9 @@ Leaves: router [D,E] fp32, router_bias [E] fp32, up [E,D,F], down [E,F,D], share
 shared_down [Fs,D]. Four dispatch paths that compute the same function: "dense" (every expert on
 every token, weighted by a sparse gate matrix; for CPU / tiny shapes), "ragged" (tokens sorted
 by expert, grouped matmuls: `jax.lax.ragged_dot` (a loop of one-group row tiles on CPU), or
-with `kernels="pallas"` the platform's kernel, `pallas_kernels.gmm`), "gather" (each token gathers its k experts'
-weights: reads only active weights, for decoding a few tokens at a time) and "ep" (expert
+with `kernels="pallas"` the platform's kernel, `pallas_kernels.gmm`), "gather" (each token
+gathers its k experts' weights: reads only active weights, for decoding a few tokens at a
+time) and "ep" (expert
 parallel: "ragged" on each shard of the mesh's `expert` axis, `model/moe_parallel.py`);
 "auto" picks one by the number of tokens and the mesh (`choose_impl`, a measured rule).
 """
