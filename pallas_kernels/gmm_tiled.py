@@ -114,18 +114,16 @@ def _gmm(lhs_MK, rhs_GKN, group_sizes_G, tile: int, out_dtype):
 
 
 def _fwd(lhs_MK, rhs_GKN, group_sizes_G, tile, out_dtype):
-  m = lhs_MK.shape[0]
-  slot_src, slot_ok, row_slot, row_ok, tile_group, used = _layout(group_sizes_G, m, tile)
+  layout = _layout(group_sizes_G, lhs_MK.shape[0], tile)
+  slot_src, slot_ok, row_slot, row_ok, tile_group, used = layout
   x_pad = _gather(lhs_MK, slot_src, slot_ok)
   y_pad = _tiles_matmul(x_pad, rhs_GKN, tile_group, used, tile, out_dtype)
   out = _gather(y_pad, row_slot, row_ok)
-  return out, (x_pad, rhs_GKN, group_sizes_G)
+  return out, (x_pad, rhs_GKN, layout)   # the backward reuses the layout
 
 
 def _bwd(tile, out_dtype, res, g_MN):
-  x_pad, rhs_GKN, group_sizes_G = res
-  m = g_MN.shape[0]
-  slot_src, slot_ok, row_slot, row_ok, tile_group, used = _layout(group_sizes_G, m, tile)
+  x_pad, rhs_GKN, (slot_src, slot_ok, row_slot, row_ok, tile_group, used) = res
   g_pad = _gather(g_MN, slot_src, slot_ok)
   d_pad = _tiles_matmul(g_pad, jnp.swapaxes(rhs_GKN, 1, 2), tile_group, used, tile,
                         x_pad.dtype)
@@ -134,7 +132,7 @@ def _bwd(tile, out_dtype, res, g_MN):
   return d_lhs, d_rhs, None
 
 
-_gmm.defvjp(lambda lhs, rhs, gs, tile, out_dtype: _fwd(lhs, rhs, gs, tile, out_dtype), _bwd)
+_gmm.defvjp(_fwd, _bwd)
 
 
 def gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None,
