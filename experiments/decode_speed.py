@@ -20,7 +20,7 @@ import statistics
 import time
 
 
-def _time_prefill_decode(pre, dec, prompts, max_len: int, chunk: int, new_tokens: int):
+def time_prefill_decode(pre, dec, prompts, max_len: int, chunk: int, new_tokens: int):
   """Seconds for one prefill (slice `pre`) and for decoding `new_tokens` after it (`dec`)."""
   import jax
 
@@ -60,12 +60,12 @@ def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int
   for name, counts in paper_like_budgets(cfg).items():
     pre = G.standalone(params, cfg, counts, name, moe_impl=prefill_moe)
     slices[name] = (counts, pre, G.SubModel(pre.params, pre.config, None, name, moe_impl=decode_moe))
-    _time_prefill_decode(pre, slices[name][2], prompts, max_len, prompt_len, new_tokens)  # compile
+    time_prefill_decode(pre, slices[name][2], prompts, max_len, prompt_len, new_tokens)  # compile
   # Budgets interleaved within each repetition, so a load change on a shared machine hits all.
   times = {name: [] for name in slices}
   for _ in range(reps):
     for name, (_, pre, dec) in slices.items():
-      times[name].append(_time_prefill_decode(pre, dec, prompts, max_len, prompt_len, new_tokens))
+      times[name].append(time_prefill_decode(pre, dec, prompts, max_len, prompt_len, new_tokens))
   rows = []
   for name, (counts, pre, _) in slices.items():
     pc = count_params(pre.config)

@@ -30,6 +30,8 @@ import statistics
 import tempfile
 import time
 
+from decode_speed import time_prefill_decode
+
 # (batch, prompt tokens) of the prefill cells, (batch, new tokens) of the decode cells, and the
 # train step's (batch, tokens), full and quick.
 CELLS = {False: {"prefill": [(1, 128), (1, 512), (8, 128), (8, 512)], "decode": [(1, 64), (8, 64)],
@@ -81,6 +83,17 @@ def _prompts(cfg, B: int, T: int, seed: int = 0):
   return np.random.RandomState(seed).randint(5, cfg.vocab_size, (B, T)).astype(np.int32)
 
 
+def prefill_timer(sub, prompts, T: int):
+  """A timer of prefilling the T-token `prompts` with `sub` in one chunk."""
+  return lambda: time_prefill_decode(sub, sub, prompts, T + 1, T, 0)[0]
+
+
+def decode_timer(sub, prompts, P: int, N: int):
+  """A timer of decoding N tokens per row with `sub` after the P-token `prompts` (the prefill
+  runs untimed)."""
+  return lambda: time_prefill_decode(sub, sub, prompts, P + N + 1, P, N)[1]
+
+
 def _hf_cache(out):
   return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
@@ -95,24 +108,10 @@ def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
   sub = G.SubModel(params, cfg, moe_impl=moe_impl)
   timers = {}
   for B, T in cells["prefill"]:
-    prompts = list(_prompts(cfg, B, T))
-
-    def prefill(prompts=prompts, T=T):
-      t = time.perf_counter()
-      jax.block_until_ready(G.prefill(sub, prompts, max_len=T + 1, chunk=T).logits)
-      return time.perf_counter() - t
-    timers[("prefill", B, T)] = prefill
+    timers[("prefill", B, T)] = prefill_timer(sub, list(_prompts(cfg, B, T)), T)
   P = cells["prompt"]
   for B, N in cells["decode"]:
-    prompts = list(_prompts(cfg, B, P))
-
-    def decode(prompts=prompts, N=N):
-      s = G.prefill(sub, prompts, max_len=P + N + 1, chunk=P)
-      jax.block_until_ready(s.logits)
-      t = time.perf_counter()
-      jax.block_until_ready(G.decode(sub, s, N)[1].logits)
-      return time.perf_counter() - t
-    timers[("decode", B, N)] = decode
+    timers[("decode", B, N)] = decode_timer(sub, list(_prompts(cfg, B, P)), P, N)
   for B, T in cells["train"]:
     x = _prompts(cfg, B, T + 1)
     opt = optim.adamw(1e-4, 1000, 0)
@@ -208,22 +207,12 @@ def side_by_side(name: str, cfg, params, moe_impl: str, quick: bool, reps: int,
 def budgets(cfg, params, moe_impl: str, quick: bool, reps: int) -> list[dict]:
   """Decode tokens/s of the full model, and per budget of the masked parent and the sliced
   sub-model, against the active-parameter ratio (`count_params`)."""
-  import jax
-
   from elastic_jax import count_params
   from elastic_jax.inference import generate as G
   from scaled import paper_like_budgets
   B, P, N = (2, 8, 4) if quick else (4, 128, 32)
   prompts = list(_prompts(cfg, B, P))
-
-  def timer(sub):
-    def run():
-      s = G.prefill(sub, prompts, max_len=P + N + 1, chunk=P)
-      jax.block_until_ready(s.logits)
-      t = time.perf_counter()
-      jax.block_until_ready(G.decode(sub, s, N)[1].logits)
-      return time.perf_counter() - t
-    return run
+  timer = lambda sub: decode_timer(sub, prompts, P, N)
 
   full = count_params(cfg).active
   subs, timers = {}, {}
