@@ -5,6 +5,9 @@ HFFormatError and SafetensorsError among them) or FileNotFoundError: the CLIs pr
 `error: <message>` and exit 1. The same exception types raised inside a library (jax, orbax, ...)
 are bugs or environment problems and keep their traceback; ELASTIC_JAX_TRACEBACK=1 keeps it for
 ours too.
+
+Compiled programs persist between runs (`compilation_cache_dir`): a second run of the same shapes
+skips XLA's compile (the test-sized main job: 147 s cold, 61 s warm on 2 CPU cores).
 """
 from __future__ import annotations
 
@@ -26,9 +29,37 @@ def is_user_error(e: BaseException) -> bool:
           and os.path.abspath(frames[-1].filename).startswith(_PACKAGE + os.sep))
 
 
+CACHE_ENV = "ELASTIC_JAX_COMPILATION_CACHE"
+
+
+def compilation_cache_dir(environ=os.environ) -> str | None:
+  """Where the CLIs keep XLA's compiled programs: None when $JAX_COMPILATION_CACHE_DIR is set
+  (jax reads it itself) or $ELASTIC_JAX_COMPILATION_CACHE is "" / "0" (off); else that
+  variable's folder, else $XDG_CACHE_HOME/elastic_jax/xla (~/.cache by default)."""
+  if environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return None
+  if CACHE_ENV in environ:
+    value = environ[CACHE_ENV]
+    return None if value in ("", "0") else os.path.abspath(os.path.expanduser(value))
+  base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "elastic_jax", "xla")
+
+
+def enable_compilation_cache(environ=os.environ) -> str | None:
+  """Points jax's persistent compilation cache at `compilation_cache_dir` (before anything
+  compiles); jax's own minimum compile time decides which programs are kept. Returns the
+  folder, or None when left to jax's settings."""
+  path = compilation_cache_dir(environ)
+  if path:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", path)
+  return path
+
+
 def run(main: Callable[[list[str]], object]) -> None:
   def guarded(argv):
     try:
+      enable_compilation_cache()
       return main(argv)
     except (ValueError, FileNotFoundError) as e:
       if os.environ.get("ELASTIC_JAX_TRACEBACK") or not is_user_error(e):

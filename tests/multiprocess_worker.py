@@ -4,7 +4,8 @@ import os
 import pathlib
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# test_parallel passes 4 devices (with the suite's other XLA flags); run alone, 4 devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from elastic_jax.parallel import distributed  # noqa: E402

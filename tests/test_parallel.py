@@ -235,7 +235,8 @@ def test_two_processes_equal_one_step_for_step_and_resume(tmp_path):
   elastic_run(one)
   multi = tmp_path / "multi"
   worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  from conftest import xla_flags
+  env = {**os.environ, "XLA_FLAGS": xla_flags(4)}
   for stop in (2, sum(MP_STEPS)):
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
@@ -278,7 +279,8 @@ def test_train_pipeline_across_two_processes(tmp_path):
            "--config.eval.max_think_tokens=2", "--config.eval.max_answer_tokens=1",
            "--config.parallel.mesh=fsdp:2,tensor:2,expert:2"]
   port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  from conftest import xla_flags
+  env = {**os.environ, "XLA_FLAGS": xla_flags(4)}
   procs = [subprocess.Popen([sys.executable, "-m", "elastic_jax.train", f"--workdir={workdir}",
                              *flags, f"--coordinator_address=127.0.0.1:{port}",
                              "--num_processes=2", f"--process_id={i}"],
@@ -286,6 +288,7 @@ def test_train_pipeline_across_two_processes(tmp_path):
            for i in range(2)]
   outs = [p.communicate(timeout=900)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+  assert "mesh: data:1,fsdp:2,tensor:2,expert:2 over 8 cpu devices" in outs[0]
   leftovers = [f for f in os.listdir(workdir) if ".tmp-" in f or ".old-" in f]
   assert leftovers == [], leftovers
   records = MetricsWriter(str(workdir), tensorboard=False).read()

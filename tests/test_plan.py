@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from configs import tiny
+from conftest import xla_flags
 from elastic_jax import plan as plan_cli
 from elastic_jax.parallel import mesh as M
 
@@ -36,7 +37,7 @@ def test_plan_cli_on_64_devices(tmp_path):
   r = subprocess.run([sys.executable, "-m", "elastic_jax.plan", "--config=configs/tiny.py",
                       "--devices=64", "--mesh=fsdp:4,tensor:4,expert:4", "--mesh=fsdp:8",
                       "--batch=64", "--stages=1"], capture_output=True, text=True, timeout=600,
-                     env={**os.environ, "XLA_FLAGS": ""})
+                     env={**os.environ, "XLA_FLAGS": xla_flags(64)})
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [[x.strip() for x in l.split("|")[1:-1]] for l in r.stdout.splitlines()
           if re.match(r"\| \d+ \|", l)]
