@@ -1,4 +1,5 @@
-"""ml_collections / ModelConfig presets: `tiny` (CPU default) and `nano_v3` (30B-A3B shape)."""
+"""ml_collections / ModelConfig presets: `tiny` (CPU default), `reasoning` (tiny on a
+reasoning-heavy mix, trained longer) and `nano_v3` (30B-A3B shape)."""
 import importlib
 
 from elastic_jax.config import ModelConfig
@@ -9,5 +10,6 @@ def model_config(name: str) -> ModelConfig:
   try:
     mod = importlib.import_module(f"configs.{name}")
   except ModuleNotFoundError:
-    raise ValueError(f"unknown config {name!r}; allowed: ['tiny', 'nano_v3']") from None
+    raise ValueError(
+        f"unknown config {name!r}; allowed: ['tiny', 'nano_v3', 'reasoning']") from None
   return mod.MODEL

@@ -15,6 +15,13 @@ def test_presets_load():
   assert [nano.layer_pattern.count(k) for k in "ME*"] == [23, 23, 6]
   with pytest.raises(ValueError, match="unknown config 'huge'"):
     model_config("huge")
+  # The reasoning preset: the tiny model, chain-arithmetic data, a longer parent; a valid run.
+  from configs import reasoning
+  from elastic_jax.training.pipeline import check_run_config
+  assert model_config("reasoning") == tiny
+  run = reasoning.get_config()
+  assert tuple(run.data.reasoning_sources) == ("chain_arithmetic",) and run.pretrain.steps == 4000
+  check_run_config(run)
 
 
 def test_dict_roundtrip():

@@ -33,6 +33,32 @@ def test_default_corpus(docs):
     data.reasoning_examples(4, weights=(1.0,))
 
 
+def test_default_corpus_leaves_out_the_held_out_questions():
+  held = data.reasoning_examples(64, seed=9, sources=("chain_arithmetic",))
+  kw = dict(n_text=0, n_reasoning=3000, seed=0, sources=("chain_arithmetic",))
+  every, kept = data.default_corpus(**kw), data.default_corpus(
+      **kw, exclude_questions=[e["question"] for e in held])
+  question = lambda d: d.split("\n")[0]
+  overlap = {question(d) for d in every} & {e["question"] for e in held}
+  assert overlap and len(kept) == len(every) - sum(question(d) in overlap for d in every)
+  assert not {question(d) for d in kept} & {e["question"] for e in held}
+
+
+def test_main_job_corpus_leaves_out_its_held_out_questions(tmp_path, monkeypatch):
+  from configs import tiny
+  from elastic_jax.training import pipeline
+  seen = {}
+  real = data.default_corpus
+  monkeypatch.setattr(data, "default_corpus", lambda *a, **kw: seen.update(kw) or real(*a, **kw))
+  c = tiny.get_config()
+  c.data.update(n_text=300, n_reasoning=300, batch=4)
+  c.eval.n_reasoning = 8
+  run = pipeline.Run(c, str(tmp_path))
+  pipeline.load_data(run, tiny.MODEL)
+  held = [e["question"] for e in pipeline.held_out(run)]
+  assert len(held) == 8 and list(seen["exclude_questions"]) == held
+
+
 def test_chain_arithmetic_traces():
   assert data.chain_trace("3 + 4 - 9") == "3 + 4 = 7 ; 7 - 9 = -2"
   for ex in data.reasoning_examples(20, seed=2, sources=("chain_arithmetic",)):

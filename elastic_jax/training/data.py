@@ -16,7 +16,7 @@ import importlib.util
 import json
 import os
 import random
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -101,9 +101,14 @@ def format_example(ex: dict, with_answer: bool = True) -> str:
 
 def default_corpus(n_text: int = 4000, n_reasoning: int = 2000, seed: int = 0,
                    sources: Sequence[str] = REASONING_SOURCES,
-                   weights: Sequence[float] | None = None) -> list[str]:
-  """Shuffled mix of KJV verses and formatted reasoning traces (see `reasoning_examples`)."""
-  traces = [format_example(e) for e in reasoning_examples(n_reasoning, seed, sources, weights)]
+                   weights: Sequence[float] | None = None,
+                   exclude_questions: Collection[str] = ()) -> list[str]:
+  """Shuffled mix of KJV verses and formatted reasoning traces (see `reasoning_examples`).
+  Traces whose question is in `exclude_questions` (the held-out evaluation items) are left out:
+  3-term one-digit chains have only 4,000 distinct questions, so a large draw holds most of them."""
+  exclude = set(exclude_questions)
+  traces = [format_example(e) for e in reasoning_examples(n_reasoning, seed, sources, weights)
+            if e["question"] not in exclude]
   docs = kjv_verses(n_text) + traces
   random.Random(seed).shuffle(docs)
   return docs

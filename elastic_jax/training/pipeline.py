@@ -244,12 +244,14 @@ def model_config(run: Run, hf_dir: str | None = None):
 
 
 def load_data(run: Run, cfg: ModelConfig, data_files: Sequence[str] = ()) -> data.TrainingData:
-  """The embedded corpus (or local files), tokenizer and packed rows at both stage lengths."""
+  """The embedded corpus (or local files), tokenizer and packed rows at both stage lengths. The
+  embedded corpus holds none of the held-out evaluation questions (`held_out`)."""
   c = run.config
   docs = (data.local_corpus(data_files) if data_files else
           data.default_corpus(c.data.n_text, c.data.n_reasoning,
                               rng.seed_for(c.seed, "corpus"),
-                              tuple(c.data.reasoning_sources), tuple(c.data.reasoning_weights)))
+                              tuple(c.data.reasoning_sources), tuple(c.data.reasoning_weights),
+                              exclude_questions=[e["question"] for e in held_out(run)]))
   td = data.prepare(docs, cfg.vocab_size, run.seq_lens, run.tokenizer_path,
                     min_val_rows=c.data.batch)
   print(f"data: {len(docs):,} docs, {td.rows[run.seq_lens[0]].size:,} training tokens, "
