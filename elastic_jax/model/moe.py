@@ -7,8 +7,8 @@ every token, weighted by a sparse gate matrix; for CPU / tiny shapes), "ragged" 
 by expert, grouped matmuls: `jax.lax.ragged_dot` (a loop of one-group row tiles on CPU), or
 with `kernels="pallas"` the platform's kernel, `pallas_kernels.gmm`), "gather" (each token
 gathers its k experts' weights: reads only active weights, for decoding a few tokens at a
-time) and "ep" (expert
-parallel: "ragged" on each shard of the mesh's `expert` axis, `model/moe_parallel.py`);
+time) and "ep" (expert parallel: "ragged" on each shard of the mesh's `expert` axis,
+`model/moe_parallel.py`);
 "auto" picks one by the number of tokens and the mesh (`choose_impl`, a measured rule).
 """
 from __future__ import annotations
