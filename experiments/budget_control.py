@@ -1,17 +1,24 @@
 """Standard vs elastic budget control on the tiny reasoning family: accuracy against latency.
 
-Held-out reasoning items (`data.reasoning_examples(n, seed=10_000)`, a seed training does not
-use; chain_arithmetic by default) are prompted as `<bos>question\\n<think>`. For every thinking cap and (think, answer) slice
+Held-out reasoning items are the first `n` evaluation items of the run that trained the family
+(`pipeline.held_out`: its corpus holds none of their questions), found from run_config.json next
+to the checkpoint; without a run record (or with --seed) `data.reasoning_examples(n, seed)`.
+They are prompted as `<bos>question\\n<think>`. For every thinking cap and (think, answer) slice
 pair: standard = one slice thinks (</think> forced at the cap) and answers; elastic = the think
 slice writes the trace, the answer slice re-prefills prompt + trace and answers; transplant =
 elastic with the answer slice continuing the think slice's cache (approximate; we also report
 the cosine similarity and top-1 agreement of its first answer logits with the re-prefill's).
 Accuracy is the exact match of the stripped answer text; latency is the wall-clock time per item
 (batch 1, sliced standalone models, every program compiled before timing, configurations
-interleaved per item so machine noise hits all alike). Prints the table and the accuracy-latency
-frontiers of standard vs elastic; writes budget_control.md and budget_control.png to --out.
+interleaved per item so machine noise hits all alike). Prints the table (accuracy with a 95%
+Wilson interval, latency with a 95% interval of the mean) and the accuracy-latency frontiers of
+standard vs elastic, with the accuracy gain at equal latency and the latency ratio at equal
+accuracy and their 95% bootstrap intervals (items resampled, frontiers and comparison redone in
+each resample); writes budget_control.md and budget_control.png to --out.
 
   python experiments/budget_control.py --checkpoint=runs/tiny/nested --out=runs/budget_control
+  python experiments/budget_control.py --checkpoint=runs/evs_reasoning/seed_0/nested \
+      --out=experiments/results                 # the family that reasons (configs/reasoning.py)
   python experiments/budget_control.py --quick     # a few items, two caps, three pairs
 """
 from __future__ import annotations
@@ -51,7 +58,67 @@ def compare(standard, elastic) -> dict:
   return {"acc_gain": gain, "speedup": speed}
 
 
-def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None, seed: int = 10_000,
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+  """95% Wilson score interval of a binomial proportion hits / n."""
+  import math
+  p = hits / n
+  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bootstrap_compare(configs, hits, lats, n_boot: int = 1000, seed: int = 0) -> dict:
+  """95% percentile intervals of `compare`'s accuracy gain and latency ratio for elastic and
+  transplant against standard, items resampled with replacement (hits, lats: [configs, items]);
+  a resample where no elastic point qualifies counts as no gain (0) / no speedup (1)."""
+  import numpy as np
+  hits, lats = np.asarray(hits, float), np.asarray(lats, float)
+  n = hits.shape[1]
+  idx = np.random.default_rng(seed).integers(0, n, (n_boot, n))
+  acc = hits[:, idx].mean(-1)   # [configs, n_boot]
+  lat = lats[:, idx].mean(-1)
+  kinds = np.array([c[0] for c in configs])
+  out = {}
+  for k in ("elastic", "transplant"):
+    if not (kinds == k).any() or not (kinds == "standard").any():
+      continue
+    gains, speeds = [], []
+    for b in range(n_boot):
+      pts = lambda kind: frontier(list(zip(lat[kinds == kind, b], acc[kinds == kind, b])))
+      cmp = compare(pts("standard"), pts(k))
+      gains.append(cmp["acc_gain"][0] if cmp["acc_gain"] else 0.0)
+      speeds.append(cmp["speedup"][0] if cmp["speedup"] else 1.0)
+    out[k] = {"acc_gain": tuple(np.percentile(gains, [2.5, 97.5])),
+              "speedup": tuple(np.percentile(speeds, [2.5, 97.5]))}
+  return out
+
+
+def held_out_items(checkpoint: str, n: int, seed: int | None, sources) -> tuple[list, str]:
+  """(items, where they come from): the run's held-out evaluation items when run_config.json
+  sits next to the checkpoint and no `seed` is given, else reasoning_examples(n, seed)."""
+  import json
+
+  from elastic_jax import rng
+  from elastic_jax.training import data
+  record = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "run_config.json")
+  if seed is None and os.path.exists(record):
+    with open(record) as f:
+      c = json.load(f)["config"]
+    ev = c["eval"]
+    if n > ev["n_reasoning"]:
+      raise ValueError(f"--n={n}: the run holds out only eval.n_reasoning={ev['n_reasoning']} "
+                       "items; pass --n at most that, or --seed for items its corpus may hold")
+    # pipeline.held_out's draw (the first n of them), which the run's corpus excludes
+    items = data.reasoning_examples(ev["n_reasoning"], seed=rng.seed_for(c["seed"], "eval"),
+                                    sources=tuple(ev["sources"]))[:n]
+    return items, f"the first {n} held-out items of the run (seed {c['seed']})"
+  seed = 10_000 if seed is None else seed
+  return (data.reasoning_examples(n, seed=seed, sources=tuple(sources)),
+          f"{n} items of reasoning_examples(seed={seed}) (not checked against any corpus)")
+
+
+def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None,
+        seed: int | None = None,
         caps: Sequence[int] | None = None, pairs: Sequence[str] | None = None,
         max_answer_tokens: int | None = None, transplant: bool = True, chunk: int = 32,
         sources: Sequence[str] = ("chain_arithmetic",), max_len: int | None = None) -> list[dict]:
@@ -60,7 +127,6 @@ def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None, se
   import numpy as np
 
   from elastic_jax.inference import budget_control as bc
-  from elastic_jax.training import data
 
   preset = QUICK if quick else FULL
   n = n or preset["n"]
@@ -73,7 +139,7 @@ def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None, se
       raise ValueError(f"pair {':'.join(p)!r}: expected think:answer")
     for name in p:
       family.get(name)
-  examples = data.reasoning_examples(n, seed=seed, sources=tuple(sources))
+  examples, where = held_out_items(checkpoint, n, seed, sources)
   tok = family.tokenizer
   special = bc.special_ids(tok)
   prompts = [bc.prompt_ids(tok, ex["question"]) for ex in examples]
@@ -119,34 +185,42 @@ def run(checkpoint: str, out: str, quick: bool = False, n: int | None = None, se
   rows = []
   for c, s in stats.items():
     kind, think, answer, cap = c
+    lat = np.asarray(s["lat"])
+    half = 1.96 * lat.std(ddof=1) / np.sqrt(len(lat)) if len(lat) > 1 else float("nan")
     rows.append({"kind": kind, "think": think, "answer": answer, "cap": cap,
-                 "accuracy": float(np.mean(s["hit"])), "latency_s": float(np.mean(s["lat"])),
+                 "accuracy": float(np.mean(s["hit"])),
+                 "accuracy_ci": wilson(int(np.sum(s["hit"])), len(s["hit"])),
+                 "latency_s": float(lat.mean()), "latency_ci_s": float(half),
                  "think_tokens": float(np.mean(s["think"])),
                  "capped": float(np.mean(s["capped"])),
                  "cosine": float(np.mean(s["cos"])) if s["cos"] else None,
                  "top1_agree": float(np.mean(s["top1"])) if s["top1"] else None})
-  _report(rows, out, checkpoint, len(examples), max_answer_tokens)
+  boot = bootstrap_compare(configs, [stats[c]["hit"] for c in configs],
+                           [stats[c]["lat"] for c in configs])
+  _report(rows, boot, out, checkpoint, where, max_answer_tokens)
   return rows
 
 
-def _report(rows, out, checkpoint, n_items, max_answer_tokens):
+def _report(rows, boot, out, checkpoint, where, max_answer_tokens):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fronts = {k: frontier([(r["latency_s"], r["accuracy"]) for r in rows if r["kind"] == k])
             for k in ("standard", "elastic", "transplant")}
-  lines = [f"Budget control on {checkpoint}: {n_items} held-out items, answer cap "
-           f"{max_answer_tokens} tokens, batch 1, sliced models, latency = mean wall-clock "
-           "milliseconds per item on this machine.", "",
+  lines = [f"Budget control on {checkpoint}: {where}, answer cap {max_answer_tokens} tokens, "
+           "batch 1, sliced models, latency = mean wall-clock milliseconds per item on this "
+           "machine. Brackets: 95% intervals (accuracy: Wilson; latency: of the mean).", "",
            "| control | think -> answer | think cap | accuracy | latency (ms) | think tokens | "
            "capped | first-logit cosine vs re-prefill | top-1 agree |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     cos = "" if r["cosine"] is None else f"{r['cosine']:.3f}"
     top1 = "" if r["top1_agree"] is None else f"{r['top1_agree']:.2f}"
+    lo, hi = r["accuracy_ci"]
     lines.append(f"| {r['kind']} | {r['think']} -> {r['answer']} | {r['cap']} | "
-                 f"{r['accuracy']:.3f} | {1000 * r['latency_s']:.1f} | {r['think_tokens']:.1f} | "
+                 f"{r['accuracy']:.3f} [{lo:.2f}, {hi:.2f}] | {1000 * r['latency_s']:.1f} ± "
+                 f"{1000 * r['latency_ci_s']:.1f} | {r['think_tokens']:.1f} | "
                  f"{r['capped']:.2f} | {cos} | {top1} |")
   lines += ["", "Accuracy-latency frontiers (latency ms, accuracy):"]
   for k, f in fronts.items():
@@ -162,6 +236,10 @@ def _report(rows, out, checkpoint, n_items, max_answer_tokens):
           "; " + (f"best latency ratio at no less accuracy {s[0]:.2f}x (vs standard at "
                   f"{1000 * s[1]:.1f} ms, acc {s[2]:.3f})" if s else
                   f"no {k} point is that accurate"))
+      if k in boot:
+        (g0, g1), (s0, s1) = boot[k]["acc_gain"], boot[k]["speedup"]
+        lines.append(f"  95% bootstrap intervals (items resampled, frontiers redone): accuracy "
+                     f"gain [{g0:+.3f}, {g1:+.3f}], latency ratio [{s0:.2f}x, {s1:.2f}x]")
   text = "\n".join(lines) + "\n"
   print(text)
   os.makedirs(out, exist_ok=True)
@@ -173,8 +251,12 @@ def _report(rows, out, checkpoint, n_items, max_answer_tokens):
     pts = [r for r in rows if r["kind"] == k]
     if not pts:
       continue
-    ax.scatter([1000 * r["latency_s"] for r in pts], [r["accuracy"] for r in pts], c=color,
-               alpha=0.5, s=18, label=f"{k} (all)")
+    acc = [r["accuracy"] for r in pts]
+    ax.errorbar([1000 * r["latency_s"] for r in pts], acc,
+                yerr=[[a - r["accuracy_ci"][0] for a, r in zip(acc, pts)],
+                      [r["accuracy_ci"][1] - a for a, r in zip(acc, pts)]],
+                xerr=[1000 * r["latency_ci_s"] for r in pts], fmt="o", c=color, alpha=0.35,
+                ms=4, elinewidth=0.8, label=f"{k} (all, 95% intervals)")
     f = fronts[k]
     ax.step([1000 * l for l, _ in f], [a for _, a in f], where="post", c=color,
             label=f"{k} frontier")
@@ -204,7 +286,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", "runs/budget_control", "where to write the table and plot")
   flags.DEFINE_bool("quick", False, "a few items, two caps, three pairs (CI)")
   flags.DEFINE_integer("n", None, "held-out items (default 60; quick 4)")
-  flags.DEFINE_integer("seed", 10_000, "reasoning_examples seed (not one training uses)")
+  flags.DEFINE_integer("seed", None, "items from reasoning_examples(n, seed) instead of the "
+                       "run's held-out items (default: those, else seed 10000)")
   flags.DEFINE_list("caps", None, "thinking caps (default 0,4,8,16,32,64)")
   flags.DEFINE_list("pairs", None, "think:answer budget pairs; equal names = standard")
   flags.DEFINE_integer("max_answer_tokens", None, "answer cap (default 12)")

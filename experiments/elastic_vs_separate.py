@@ -2,20 +2,25 @@
 tokens than deriving each smaller size on its own.
 
 For each smaller budget (sub-model counts chosen by the elastic run's router), three ways to get
-a model of exactly that shape, all from the same corpus:
-  (i)   elastic: slice it out of the one elastic KD run that trained the whole family;
-  (ii)  scratch: random init, next-token training for as many tokens as the parent's pretraining;
+a model of exactly that shape, all from the same corpus, each having seen the same tokens:
+  (i)   elastic: slice it out of the one elastic KD run that trained the whole family (it saw the
+        parent's pretraining, then the elastic run);
+  (ii)  scratch: random init, next-token training for as many tokens as (i);
   (iii) minitron: prune the nested parent to that shape, then distill it alone (forward KL) for as
         many tokens as the whole elastic run.
-Token accounting (student tokens, the parent's pretraining counted once where it is used):
-elastic = parent + one elastic run for all sizes; scratch = one pretraining-sized run per size;
-minitron = parent + one elastic-run-sized distillation per size.
+The paper's accounting (student tokens to obtain all smaller sizes, the parent's pretraining
+counted once where it is used): elastic = parent + one elastic run for all sizes; scratch = one
+run per size; minitron = parent + one elastic-run-sized distillation per size.
 
-  python experiments/elastic_vs_separate.py                  # tiny default (several minutes)
+  python experiments/elastic_vs_separate.py --config=configs/reasoning.py --seeds=0,1,2 \
+      --workdir=runs/evs_reasoning --out=experiments/results     # the README's table (~25 min/seed)
+  python experiments/elastic_vs_separate.py                  # tiny default, one seed
   python experiments/elastic_vs_separate.py --quick          # reduced mode (smallest size only)
 
-Writes <out>/elastic_vs_separate.md (table) and .png (quality vs active params) and prints both
-the table and the token totals. Re-running resumes: every phase checkpoints in --workdir.
+Every seed runs in <workdir>/seed_<seed> (its own init, corpus draw, data order and held-out
+items). Writes <out>/elastic_vs_separate.md (per-seed rows, then mean and spread over seeds) and
+.png (quality vs active params, bars = min..max over seeds) and prints both. Re-running resumes:
+every phase checkpoints in its seed's run directory.
 """
 from __future__ import annotations
 
@@ -35,84 +40,135 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs
 flags.DEFINE_string("workdir", "runs/elastic_vs_separate", "run directory (re-run to resume)")
 flags.DEFINE_string("out", None, "where to write the table and plot (default: --workdir)")
 flags.DEFINE_bool("quick", False, "reduced mode: few steps, the smallest budget only")
+flags.DEFINE_list("seeds", None, "run seeds (default: the config's seed)")
 FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
   from absl import logging
   logging.set_verbosity(logging.ERROR)
-  from elastic_jax import count_params, init, rng
-  from elastic_jax.training import evaluate, phases, pipeline
-  from elastic_jax.elastic.slicing import slice_params
   from main_job import apply_quick
 
   config = _CONFIG.value
   if FLAGS.quick:
     apply_quick(config)
+  try:
+    seeds = [int(s) for s in FLAGS.seeds] if FLAGS.seeds else [config.seed]
+  except ValueError:
+    sys.exit(f"--seeds: expected comma-separated integers, got {','.join(FLAGS.seeds)!r}")
   t0 = time.perf_counter()
-  run = pipeline.Run(config, FLAGS.workdir)
+  rows, totals = [], None
+  for seed in seeds:
+    c = config.copy_and_resolve_references()
+    c.seed = seed
+    seed_rows, totals = compare_one_seed(c, os.path.join(FLAGS.workdir, f"seed_{seed}"),
+                                         FLAGS.quick)
+    rows += [(seed, *r) for r in seed_rows]
+  table = _table(rows, totals)
+  out = os.path.abspath(FLAGS.out or FLAGS.workdir)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "elastic_vs_separate.md"), "w") as f:
+    f.write(table + "\n")
+  _plot(rows, os.path.join(out, "elastic_vs_separate.png"))
+  print(table)
+  print(f"\nwrote {out}/elastic_vs_separate.md and .png ({time.perf_counter() - t0:.0f}s)")
+
+
+def compare_one_seed(config, workdir: str, quick: bool):
+  """The parent, then elastic / scratch / minitron for every smaller size, in one run directory:
+  rows (approach, size, active params, tokens for this size, val loss, answer accuracy) and the
+  paper's token totals."""
+  from elastic_jax import count_params, init, rng
+  from elastic_jax.elastic.slicing import slice_params
+  from elastic_jax.training import evaluate, phases, pipeline
+
+  run = pipeline.Run(config, workdir)
   cfg, td, teacher, family = pipeline.train_family(run)
   examples = pipeline.held_out(run)
   ev, L1, B = config.eval, run.seq_lens[0], config.data.batch
   parent_tokens = config.pretrain.steps * B * L1
   elastic_tokens = family.tokens(run)
   distill_steps = max(1, elastic_tokens // (B * L1))
+  scratch_steps = config.pretrain.steps + distill_steps   # the tokens (i) saw, parent included
 
   def evaluate_model(p, c):
     acc = evaluate.answer_accuracy(p, c, td.tokenizer, examples, ev.max_think_tokens,
                                    ev.max_answer_tokens)
     return evaluate.val_loss(p, c, td.val), acc
 
-  full_active = count_params(cfg).active
-  rows = []
-  loss, acc = evaluate_model(teacher, cfg)
-  rows.append(("parent", cfg.budget_names[0], full_active, parent_tokens, loss, acc))
-  sizes = cfg.budget_names[1:][-1:] if FLAGS.quick else cfg.budget_names[1:]
+  rows = [("parent", cfg.budget_names[0], count_params(cfg).active, parent_tokens,
+           *evaluate_model(teacher, cfg))]
+  sizes = cfg.budget_names[1:][-1:] if quick else cfg.budget_names[1:]
   for name in sizes:
     counts = family.budget_counts[name]
     elastic_p, small_cfg = slice_params(family.params, cfg, counts)
     active = count_params(small_cfg).active
-    rows.append(("elastic", name, active, elastic_tokens, *evaluate_model(elastic_p, small_cfg)))
+    rows.append(("elastic", name, active, parent_tokens + elastic_tokens,
+                 *evaluate_model(elastic_p, small_cfg)))
     scratch = phases.pretrain(init(small_cfg, rng.key(config.seed, "init")), small_cfg,
                               td.iterator(L1, B, rng.seed_for(config.seed, "pretrain_data")),
-                              config.pretrain.steps, run.loop(f"scratch_{name}"),
+                              scratch_steps, run.loop(f"scratch_{name}"),
                               lr=config.pretrain.lr, warmup=config.pretrain.warmup,
                               weight_decay=config.pretrain.weight_decay, name=f"scratch_{name}")
-    rows.append(("scratch", name, active, parent_tokens, *evaluate_model(scratch, small_cfg)))
+    rows.append(("scratch", name, active, scratch_steps * B * L1,
+                 *evaluate_model(scratch, small_cfg)))
     pruned, _ = slice_params(teacher, cfg, counts)
     minitron = phases.distill(pruned, small_cfg, teacher, cfg,
                               td.iterator(L1, B, rng.seed_for(config.seed, "stage1_data")),
                               distill_steps, run.loop(f"minitron_{name}"), lr=config.elastic.lr,
                               warmup=config.elastic.warmup,
                               weight_decay=config.elastic.weight_decay, name=f"minitron_{name}")
-    rows.append(("minitron", name, active, distill_steps * B * L1,
+    rows.append(("minitron", name, active, parent_tokens + distill_steps * B * L1,
                  *evaluate_model(minitron, small_cfg)))
-
   totals = {"elastic": parent_tokens + elastic_tokens,
-            "scratch": parent_tokens * len(sizes),
+            "scratch": scratch_steps * B * L1 * len(sizes),
             "minitron": parent_tokens + len(sizes) * distill_steps * B * L1}
-  table = _table(rows, full_active, totals)
-  out = os.path.abspath(FLAGS.out or run.workdir)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "elastic_vs_separate.md"), "w") as f:
-    f.write(table + "\n")
-  _plot(rows, os.path.join(out, "elastic_vs_separate.png"))
   for r in rows:
     run.writer.write("compare", approach=r[0], budget=r[1], active_params=r[2], tokens=r[3],
                      val_loss=r[4], answer_acc=r[5])
   run.writer.close()
-  print(table)
-  print(f"\nwrote {out}/elastic_vs_separate.md and .png ({time.perf_counter() - t0:.0f}s)")
+  return rows, totals
 
 
-def _table(rows, full_active, totals) -> str:
-  lines = ["| approach | size | active params | active ratio | tokens for this size | val loss "
-           "| val ppl | answer acc |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-  for approach, name, active, tokens, loss, acc in rows:
-    lines.append(f"| {approach} | {name} | {active:,} | {active / full_active:.3f} | "
+def summarize(rows) -> list[tuple]:
+  """Per (approach, size) over seeds, in first-seen order: (approach, size, active params, tokens,
+  seeds, val loss mean, sd, min, max, accuracy mean, sd, min, max); sd is the sample standard
+  deviation (0 for one seed)."""
+  import numpy as np
+  groups: dict = {}
+  for seed, approach, name, active, tokens, loss, acc in rows:
+    groups.setdefault((approach, name, active, tokens), []).append((loss, acc))
+  out = []
+  for key, vals in groups.items():
+    stats = []
+    for col in np.asarray(vals, float).T:
+      sd = float(col.std(ddof=1)) if len(col) > 1 else 0.0
+      stats += [float(col.mean()), sd, float(col.min()), float(col.max())]
+    out.append((*key, len(vals), *stats))
+  return out
+
+
+def _table(rows, totals) -> str:
+  full_active = next(r[3] for r in rows if r[1] == "parent")
+  seeds = sorted({r[0] for r in rows})
+  lines = [f"Mean and spread over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}): mean ± "
+           "sample sd [min, max]; every row of a size saw the same tokens.", "",
+           "| approach | size | active ratio | tokens for this size | seeds | val loss "
+           "| answer acc |", "|---|---|---:|---:|---:|---:|---:|"]
+  for (approach, name, active, tokens, n, lm, ls, lmin, lmax, am, asd, amin,
+       amax) in summarize(rows):
+    lines.append(f"| {approach} | {name} | {active / full_active:.3f} | {tokens:,} | {n} | "
+                 f"{lm:.3f} ± {ls:.3f} [{lmin:.3f}, {lmax:.3f}] | "
+                 f"{am:.3f} ± {asd:.3f} [{amin:.3f}, {amax:.3f}] |")
+  lines += ["", "Per seed:", "", "| seed | approach | size | active params | active ratio | "
+            "tokens for this size | val loss | val ppl | answer acc |",
+            "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+  for seed, approach, name, active, tokens, loss, acc in rows:
+    lines.append(f"| {seed} | {approach} | {name} | {active:,} | {active / full_active:.3f} | "
                  f"{tokens:,} | {loss:.3f} | {math.exp(loss):.1f} | {acc:.3f} |")
-  lines += ["", "| approach | tokens for all smaller sizes (parent pretraining included where "
-            "used) |", "|---|---:|"]
+  lines += ["", "The paper's accounting, one seed:", "",
+            "| approach | tokens for all smaller sizes (parent pretraining included where used) |",
+            "|---|---:|"]
   lines += [f"| {k} | {v:,} |" for k, v in totals.items()]
   return "\n".join(lines)
 
@@ -121,19 +177,24 @@ def _plot(rows, path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  summary = summarize(rows)
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, col, label in ((axes[0], 4, "validation loss (lower is better)"),
-                         (axes[1], 5, "answer accuracy")):
+  for ax, col, label in ((axes[0], 5, "validation loss (lower is better)"),
+                         (axes[1], 9, "answer accuracy")):
     for approach, marker in (("parent", "*"), ("elastic", "o"), ("scratch", "s"),
                              ("minitron", "^")):
-      pts = sorted((r[2], r[col]) for r in rows if r[0] == approach)
+      pts = sorted((r[2], r[col], r[col + 2], r[col + 3]) for r in summary if r[0] == approach)
       if pts:
-        ax.plot(*zip(*pts), marker=marker, label=approach)
+        x, y, lo, hi = (list(v) for v in zip(*pts))
+        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]],
+                    marker=marker, capsize=3, label=approach)
     ax.set_xlabel("active parameters")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
   axes[0].legend()
-  fig.suptitle("elastic (one run, all sizes) vs each size trained separately")
+  n = len({r[0] for r in rows})
+  fig.suptitle(f"elastic (one run, all sizes) vs each size trained separately; {n} seed(s), "
+               "bars: min..max")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

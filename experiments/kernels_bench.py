@@ -14,9 +14,9 @@ On CPU the Pallas rows run in Pallas' interpreter: they show the code runs, not 
 """
 from __future__ import annotations
 
-import time
-
 from absl import app, flags
+
+from timing import matmul_peak, median_time
 
 flags.DEFINE_bool("quick", False, "small shapes (CI)")
 flags.DEFINE_integer("seq", 0, "SSD sequence length (0: 8192 on an accelerator, else 1024)")
@@ -24,28 +24,6 @@ flags.DEFINE_integer("tokens", 0, "MoE tokens (0: 8192 on an accelerator, else 5
 flags.DEFINE_integer("iters", 3, "timed repetitions (the median is reported)")
 flags.DEFINE_string("out", None, "also write the markdown table to this file")
 FLAGS = flags.FLAGS
-
-
-def _time(fn, *args, iters: int) -> float:
-  """Median seconds of `fn(*args)` after one compile-and-run."""
-  import jax
-  import numpy as np
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
-def matmul_peak(dtype, n: int, iters: int) -> float:
-  """Measured TFLOP/s of one [n, n] x [n, n] matmul in `dtype`."""
-  import jax
-  import jax.numpy as jnp
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n)).astype(dtype)
-  f = jax.jit(lambda a: a @ a)
-  return 2 * n ** 3 / _time(f, a, iters=iters) / 1e12
 
 
 def ssd_flops(T: int, heads: int, P: int, N: int, L: int) -> float:
@@ -96,19 +74,20 @@ def main(argv):
     sub = (x[:, :, :, :h], dt[:, :, :, :h], A[:, :h], Bm, Cm)
     flops = ssd_flops(T, G * h, P, N, L)
     budget = f"{G * h} heads"
-    row("SSD fwd", budget, "xla masked", shape(H), _time(xla_ssd, x, dt, A, Bm, Cm, iters=it),
+    row("SSD fwd", budget, "xla masked", shape(H), median_time(xla_ssd, x, dt, A, Bm, Cm, iters=it),
         flops)
-    row("SSD fwd", budget, "xla sliced", shape(h), _time(xla_ssd, *sub, iters=it), flops)
+    row("SSD fwd", budget, "xla sliced", shape(h), median_time(xla_ssd, *sub, iters=it), flops)
     row("SSD fwd", budget, "pallas masked (skips heads)", shape(H),
-        _time(kern_ssd, keep, x, dt, A, Bm, Cm, iters=it), flops)
-    row("SSD fwd", budget, "pallas sliced", shape(h), _time(kern_ssd, None, *sub, iters=it), flops)
+        median_time(kern_ssd, keep, x, dt, A, Bm, Cm, iters=it), flops)
+    row("SSD fwd", budget, "pallas sliced", shape(h),
+        median_time(kern_ssd, None, *sub, iters=it), flops)
   # One backward at the full budget: fwd + bwd of a weighted sum.
   loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 3, 4)))
   flops = 3 * ssd_flops(T, G * H, P, N, L)
-  row("SSD fwd+bwd", f"{G * H} heads", "xla", shape(H), _time(loss(xla_ssd), x, dt, A, Bm, Cm,
+  row("SSD fwd+bwd", f"{G * H} heads", "xla", shape(H), median_time(loss(xla_ssd), x, dt, A, Bm, Cm,
                                                                iters=it), flops)
   row("SSD fwd+bwd", f"{G * H} heads", "pallas", shape(H),
-      _time(loss(lambda *a: kern_ssd(None, *a)), x, dt, A, Bm, Cm, iters=it), flops)
+      median_time(loss(lambda *a: kern_ssd(None, *a)), x, dt, A, Bm, Cm, iters=it), flops)
 
   # MoE up projection as a grouped matmul: tokens routed top-k among the budget's experts.
   # On CPU fewer experts (128 fp32 experts are 2.5 GB), the budgets' expert share kept;
@@ -133,9 +112,9 @@ def main(argv):
     budget = f"{e} experts x {f}"
     for path, b in (("xla", "xla"), (backend, backend)):
       row("MoE gmm", budget, f"{path} masked", f"[{tokens * k},{D}]x[{E},{D},{F}]",
-          _time(gmm(b), lhs, rhs, jnp.asarray(sizes), iters=it), flops)
+          median_time(gmm(b), lhs, rhs, jnp.asarray(sizes), iters=it), flops)
       row("MoE gmm", budget, f"{path} sliced", f"[{tokens * k},{D}]x[{e},{D},{f}]",
-          _time(gmm(b), lhs, rhs[:e, :, :f], jnp.asarray(sizes[:e]), iters=it), flops)
+          median_time(gmm(b), lhs, rhs[:e, :, :f], jnp.asarray(sizes[:e]), iters=it), flops)
   table = "\n".join(rows)
   header = (f"{jax.devices()[0].device_kind} ({jax.default_backend()}): measured matmul peak "
             f"{peak:.3f} TFLOP/s ({jnp.dtype(peak_dtype).name}); pallas rows "

@@ -31,6 +31,7 @@ import tempfile
 import time
 
 from decode_speed import time_prefill_decode
+from timing import matmul_peak
 
 # (batch, prompt tokens) of the prefill cells, (batch, new tokens) of the decode cells, and the
 # train step's (batch, tokens), full and quick.
@@ -76,6 +77,17 @@ def check_logits(params, cfg, model, T: int = 32) -> float:
   if diff > 1e-4 * float(np.abs(ref).max()):
     raise RuntimeError(f"logits differ from transformers by {diff:.3g}: not the same model")
   return diff
+
+
+def train_flops(cfg, B: int, T: int) -> float:
+  """Model FLOPs of one training step on B x T tokens, PaLM's count: 6 x (active parameters
+  without the input embedding) per token, plus 12 x T x heads x head_dim per token per attention
+  layer (scores and values, forward and backward); the Mamba scan's own FLOPs are left out."""
+  from elastic_jax import count_params
+  n_attn = cfg.layer_pattern.count("*")
+  per_token = (6 * count_params(cfg).active_without_embedding
+               + 12 * n_attn * T * cfg.num_attention_heads * cfg.head_dim)
+  return float(per_token * B * T)
 
 
 def _prompts(cfg, B: int, T: int, seed: int = 0):
@@ -237,7 +249,7 @@ def budgets(cfg, params, moe_impl: str, quick: bool, reps: int) -> list[dict]:
 
 
 def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_impl: str,
-           reps: int) -> str:
+           reps: int, peak: float | None = None, cfgs: dict | None = None) -> str:
   """The markdown tables (and the header naming the machine and settings)."""
   import jax
   import torch
@@ -253,6 +265,18 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
     what = f"{r['T']} new" if r["cell"] == "decode" else str(r["T"])
     lines.append(f"| {r['shape']} | {r['cell']} | {r['B']} | {what} | {r['ours_s']:.3f} | "
                  f"{r['hf_s']:.3f} | {r['ratio']:.2f}x |")
+  train = [r for r in shape_rows if r["cell"] == "train"]
+  if peak and train and cfgs:
+    lines += ["", f"Training steps against this CPU's measured fp32 matmul rate "
+              f"({peak / 1e9:.1f} GFLOP/s, median of 10 jitted 1024 x 1024 products; model FLOPs: "
+              "`train_flops`):", "",
+              "| shape | batch | tokens | ours tok/s | ours GFLOP/s | of peak | transformers tok/s "
+              "| transformers of peak |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in train:
+      f = train_flops(cfgs[r["shape"]], r["B"], r["T"])
+      lines.append(f"| {r['shape']} | {r['B']} | {r['T']} | {r['B'] * r['T'] / r['ours_s']:,.0f} "
+                   f"| {f / r['ours_s'] / 1e9:.1f} | {f / r['ours_s'] / peak:.1%} | "
+                   f"{r['B'] * r['T'] / r['hf_s']:,.0f} | {f / r['hf_s'] / peak:.1%} |")
   if budget_rows:
     lines += ["", "Decode per budget (ours; speed-up over the full model; ideal = 1 / active "
               "ratio; of ideal = speed-up x active ratio, target >= 0.9 for sliced):", "",
@@ -284,7 +308,9 @@ def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = 
       rows += r
       if name == ("tiny" if quick else "scaled"):
         budget_rows = budgets(cfg, params, moe_impl, quick, reps)
-  text = report(rows, diffs, budget_rows, moe_impl, reps)
+  import jax.numpy as jnp
+  peak = matmul_peak(jnp.float32, 1024, 10) * 1e12   # FLOP/s
+  text = report(rows, diffs, budget_rows, moe_impl, reps, peak, cfgs)
   print(text)
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "speed.md"), "w") as f:

@@ -2,6 +2,8 @@
 `apply`; families from a checkpoint; streaming; the generate CLI and the two experiment scripts
 in reduced mode on a tiny random-weight checkpoint."""
 import importlib.util
+import json
+import types
 import io
 import os
 import re
@@ -9,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -192,7 +195,9 @@ def test_budget_control_experiment_quick(tiny_ckpt, tmp_path):
   row = next(r for r in rows if r["kind"] == "transplant" and r["cap"] == 8)
   fam = bc.load_family(tiny_ckpt, mode="sliced")
   q, special = exp.QUICK, bc.special_ids(fam.tokenizer)
-  items = data.reasoning_examples(q["n"], seed=10_000, sources=("chain_arithmetic",))
+  items = data.reasoning_examples(q["n"], seed=10_000, sources=("chain_arithmetic",))  # no run
+  assert all("[" in r for r in (l.split("|")[4] for l in
+             (tmp_path / "budget_control.md").read_text().splitlines() if l.startswith("| st")))
   hits, think, cos = [], [], []
   for ex in items:
     prompt = bc.prompt_ids(fam.tokenizer, ex["question"])
@@ -207,6 +212,36 @@ def test_budget_control_experiment_quick(tiny_ckpt, tmp_path):
   assert row["cosine"] == pytest.approx(np.mean(cos), rel=1e-5)
   md = (tmp_path / "budget_control.md").read_text()
   assert md.count("\n| ") >= len(rows) and (tmp_path / "budget_control.png").stat().st_size > 0
+
+
+def test_budget_control_intervals():
+  exp = _script("budget_control")
+  assert exp.wilson(30, 60) == pytest.approx((0.3773, 0.6227), abs=1e-4)   # textbook value
+  assert exp.wilson(0, 60) == pytest.approx((0.0, 0.0602), abs=1e-4)
+  # elastic (answers every item at half the latency) dominates standard (answers none): every
+  # resample gives gain 1 and latency ratio 2; a 50/50 item split gives an interval around 0.5.
+  configs = [("standard", "full", "full", 0), ("elastic", "small", "full", 0)]
+  boot = exp.bootstrap_compare(configs, [[0] * 40, [1] * 40], [[1.0] * 40, [0.5] * 40], 200)
+  assert boot["elastic"]["acc_gain"] == (1.0, 1.0) and boot["elastic"]["speedup"] == (2.0, 2.0)
+  assert "transplant" not in boot
+  boot = exp.bootstrap_compare(configs, [[0] * 40, [0, 1] * 20], [[1.0] * 40, [0.5] * 40], 500)
+  lo, hi = boot["elastic"]["acc_gain"]
+  assert 0.2 < lo < 0.5 < hi < 0.8
+
+
+def test_budget_control_items_are_the_runs_held_out(tmp_path):
+  from elastic_jax.training import pipeline
+  exp = _script("budget_control")
+  (tmp_path / "nested").mkdir()
+  ev = {"n_reasoning": 8, "sources": ["chain_arithmetic"]}
+  (tmp_path / "run_config.json").write_text(json.dumps({"config": {"seed": 3, "eval": ev}}))
+  items, where = exp.held_out_items(str(tmp_path / "nested"), 5, None, ("chain_arithmetic",))
+  run = types.SimpleNamespace(config=ml_collections.ConfigDict({"seed": 3, "eval": ev}))
+  assert items == pipeline.held_out(run)[:5] and "seed 3" in where   # what its corpus excludes
+  with pytest.raises(ValueError, match="n_reasoning=8"):
+    exp.held_out_items(str(tmp_path / "nested"), 9, None, ("chain_arithmetic",))
+  items, where = exp.held_out_items(str(tmp_path / "nested"), 5, 7, ("chain_arithmetic",))
+  assert items == data.reasoning_examples(5, seed=7, sources=("chain_arithmetic",))
 
 
 def test_decode_speed_experiment_quick(tmp_path):

@@ -21,7 +21,7 @@ else:
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
 
-from elastic_jax import apply  # noqa: E402
+from elastic_jax import apply, count_params  # noqa: E402
 from elastic_jax.io import hf  # noqa: E402
 from elastic_jax.io import safetensors_io as st  # noqa: E402
 
@@ -297,8 +297,13 @@ def test_speed_experiment_quick(tmp_path):
       ("30B-like", "sliced"), ("23B-like", "masked"), ("23B-like", "sliced"),
       ("12B-like", "masked"), ("12B-like", "sliced")]
   assert budget_rows[0]["speedup"] == 1 and budget_rows[-1]["active_ratio"] < 1
-  assert (tmp_path / "speed.md").read_text().count("\n| tiny |") == len(rows)
+  md = (tmp_path / "speed.md").read_text()
+  train = [l for l in md.splitlines() if l.startswith("| tiny | 2 | 16 |")]   # vs matmul peak
+  assert md.count("\n| tiny |") == len(rows) + 1 and len(train) == 1 and "%" in train[0]
   cfg = speed.configs(True)["tiny"]
+  n_attn = cfg.layer_pattern.count("*")   # PaLM's count: 6N per token + attention
+  assert speed.train_flops(cfg, 2, 16) - speed.train_flops(cfg, 1, 16) == pytest.approx(
+      16 * (6 * count_params(cfg).active_without_embedding + 12 * n_attn * 16 * 4 * 16))
   from scaled import random_params
   params = random_params(cfg)
   model = speed.hf_model(params, cfg, str(tmp_path / "hf"))

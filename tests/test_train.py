@@ -2,6 +2,7 @@
 after SIGKILL (mid-pretraining and mid-elastic), compared step by step with an uninterrupted run.
 """
 import json
+import importlib.util
 import os
 import shutil
 import signal
@@ -121,20 +122,40 @@ def test_resume_after_kill_is_exact(reference, tmp_path):
 def test_elastic_vs_separate_quick_mode(reference, tmp_path):
   ref_dir, _ = reference
   workdir = tmp_path / "evs"
-  shutil.copytree(ref_dir, workdir)
+  shutil.copytree(ref_dir, workdir / "seed_0")   # the config's seed: one run directory per seed
   r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "elastic_vs_separate.py"),
                       "--quick", f"--workdir={workdir}"], capture_output=True, text=True,
                      timeout=900, cwd=str(tmp_path))
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   # The main job's parent and family, reused as they are (a finished phase resumes at its end).
   assert "parent: loaded the nested parent" in r.stdout
-  assert "elastic: resumed from step 40/40" in r.stdout and _curve(workdir) == _curve(ref_dir)
+  assert "elastic: resumed from step 40/40" in r.stdout
+  assert _curve(workdir / "seed_0") == _curve(ref_dir)
   table = (workdir / "elastic_vs_separate.md").read_text()
   for approach in ("parent", "elastic", "scratch", "minitron"):
-    assert f"| {approach} |" in table
-  rows = [l for l in table.splitlines() if l.startswith("| elastic | small |")]
-  assert len(rows) == 1 and "| 12,800 |" in rows[0]   # 30 x 4 x 64 + 10 x 4 x 128 student tokens
+    assert f"| 0 | {approach} |" in table and f"| {approach} |" in table
+  # Every small row saw the parent's 8 x 4 x 64 tokens and the elastic run's 30 x 4 x 64 +
+  # 10 x 4 x 128 (scratch as 58 steps of 4 x 64 from random init).
+  rows = [l for l in table.splitlines() if "| small |" in l]
+  assert len(rows) == 6 and all("| 14,848 |" in l for l in rows), rows
+  summary = [l for l in rows if l.startswith("| elastic | small |")]
+  assert len(summary) == 1 and "| 1 | " in summary[0] and summary[0].count("± 0.000 [") == 2
   assert (workdir / "elastic_vs_separate.png").stat().st_size > 10_000
+
+
+def test_elastic_vs_separate_summary_over_seeds():
+  spec = importlib.util.spec_from_file_location(
+      "evs", os.path.join(ROOT, "experiments", "elastic_vs_separate.py"))
+  evs = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(evs)
+  rows = [(0, "parent", "full", 10, 100, 2.0, 0.5), (0, "elastic", "small", 5, 120, 3.0, 0.25),
+          (1, "parent", "full", 10, 100, 2.5, 0.75), (1, "elastic", "small", 5, 120, 4.0, 0.0),
+          (2, "elastic", "small", 5, 120, 3.5, 0.5)]
+  (p, e) = evs.summarize(rows)
+  assert p == ("parent", "full", 10, 100, 2, 2.25, pytest.approx(0.5 ** 0.5 / 2), 2.0, 2.5,
+               0.625, pytest.approx(0.25 / 2 ** 0.5), 0.5, 0.75)
+  assert e[:5] == ("elastic", "small", 5, 120, 3) and e[5:9] == (3.5, 0.5, 3.0, 4.0)
+  assert e[9:] == (0.25, 0.25, 0.0, 0.5)
 
 
 def test_quantized_family_from_the_main_job(reference, tmp_path):
