@@ -142,6 +142,31 @@ def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
   return timers
 
 
+def port_cells(params, cfg, cells: dict) -> dict:
+  """Decode timers of the plain-jnp reference port (`reference_port.py`): prefill untimed, then
+  N jitted steps, each token's argmax fed back on device (no host sync per token, which ours
+  makes for stop rules and streaming)."""
+  import jax
+  import jax.numpy as jnp
+
+  import reference_port as R
+  timers, P = {}, cells["prompt"]
+  for B, N in cells["decode"]:
+    ids = jnp.asarray(_prompts(cfg, B, P))
+
+    def decode(ids=ids, B=B, N=N):
+      logits, cache = R.prefill(params, cfg, ids, R.init_cache(cfg, B, P + N + 1))
+      jax.block_until_ready(logits)
+      t = time.perf_counter()
+      for pos in range(P, P + N):
+        logits, cache = R.decode_step(params, cfg, jnp.argmax(logits, -1).astype(jnp.int32),
+                                      cache, pos)
+      jax.block_until_ready(logits)
+      return time.perf_counter() - t
+    timers[("decode", B, N)] = decode
+  return timers
+
+
 def hf_cells(model, cfg, cells: dict) -> dict:
   """The same cells for transformers' model (timers as `ours_cells`)."""
   import torch
@@ -204,15 +229,19 @@ def side_by_side(name: str, cfg, params, moe_impl: str, quick: bool, reps: int,
   diff = check_logits(params, cfg, model)
   cells = CELLS[quick]
   ours, ref = ours_cells(params, cfg, moe_impl, cells), hf_cells(model, cfg, cells)
+  port = port_cells(params, cfg, cells)
   rows = []
-  for key in ours:   # one cell at a time: both sides' compiled state and caches stay small
-    t = interleaved({"ours": ours[key], "hf": ref[key]}, reps)
+  for key in ours:   # one cell at a time: every side's compiled state and caches stay small
+    timers = {"ours": ours[key], "hf": ref[key]}
+    if key in port:
+      timers["port"] = port[key]
+    t = interleaved(timers, reps)
     kind, B, T = key
     rows.append({"shape": name, "cell": kind, "B": B, "T": T, "ours_s": t["ours"],
-                 "hf_s": t["hf"], "ratio": t["hf"] / t["ours"]})
+                 "hf_s": t["hf"], "ratio": t["hf"] / t["ours"], "port_s": t.get("port")})
     print(f"  {name} {kind} B{B} {'N' if kind == 'decode' else 'T'}{T}: ours "
-          f"{t['ours']:.3f} s, transformers {t['hf']:.3f} s, {t['hf'] / t['ours']:.2f}x",
-          flush=True)
+          f"{t['ours']:.3f} s, transformers {t['hf']:.3f} s, {t['hf'] / t['ours']:.2f}x" +
+          (f"; plain-jnp port {t['port']:.3f} s" if "port" in t else ""), flush=True)
   return rows, diff
 
 
@@ -265,6 +294,17 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
     what = f"{r['T']} new" if r["cell"] == "decode" else str(r["T"])
     lines.append(f"| {r['shape']} | {r['cell']} | {r['B']} | {what} | {r['ours_s']:.3f} | "
                  f"{r['hf_s']:.3f} | {r['ratio']:.2f}x |")
+  decode = [r for r in shape_rows if r.get("port_s")]
+  if decode:
+    lines += ["", "Decode against a plain-jnp reference port of the same model "
+              "(`reference_port.py`: no masks, no padding, no host sync per token; same weights, "
+              "same tokens), tokens/s; ratio = port's time / ours (above 1: ours is faster):", "",
+              "| shape | batch | new tokens | ours tok/s | port tok/s | ratio |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for r in decode:
+      n = r["B"] * r["T"]
+      lines.append(f"| {r['shape']} | {r['B']} | {r['T']} | {n / r['ours_s']:,.0f} | "
+                   f"{n / r['port_s']:,.0f} | {r['port_s'] / r['ours_s']:.2f}x |")
   train = [r for r in shape_rows if r["cell"] == "train"]
   if peak and train and cfgs:
     lines += ["", f"Training steps against this CPU's measured fp32 matmul rate "

@@ -299,7 +299,11 @@ def test_speed_experiment_quick(tmp_path):
   assert budget_rows[0]["speedup"] == 1 and budget_rows[-1]["active_ratio"] < 1
   md = (tmp_path / "speed.md").read_text()
   train = [l for l in md.splitlines() if l.startswith("| tiny | 2 | 16 |")]   # vs matmul peak
-  assert md.count("\n| tiny |") == len(rows) + 1 and len(train) == 1 and "%" in train[0]
+  decode = [r for r in rows if r["cell"] == "decode"]   # also timed on the plain-jnp port
+  assert decode and all(r["port_s"] > 0 for r in decode)
+  assert all(r["port_s"] is None for r in rows if r["cell"] != "decode")
+  assert md.count("\n| tiny |") == len(rows) + 1 + len(decode)
+  assert len(train) == 1 and "%" in train[0]
   cfg = speed.configs(True)["tiny"]
   n_attn = cfg.layer_pattern.count("*")   # PaLM's count: 6N per token + attention
   assert speed.train_flops(cfg, 2, 16) - speed.train_flops(cfg, 1, 16) == pytest.approx(
