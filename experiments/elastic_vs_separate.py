@@ -82,7 +82,19 @@ def compare_one_seed(config, workdir: str, quick: bool):
   from elastic_jax.elastic.slicing import slice_params
   from elastic_jax.training import evaluate, phases, pipeline
 
-  run = pipeline.Run(config, workdir)
+  run = pipeline.Run(config, workdir)   # refuses a run directory with other settings
+  names = [n for n, _ in config.model.budgets]
+  sizes = names[1:][-1:] if quick else names[1:]
+  want = [("parent", names[0])] + [(a, n) for n in sizes for a in ("elastic", "scratch",
+                                                                     "minitron")]
+  done = {(r["approach"], r["budget"]): (r["approach"], r["budget"], r["active_params"],
+                                         r["tokens"], r["val_loss"], r["answer_acc"])
+          for r in run.writer.read("compare")}
+  if all(k in done for k in want):   # this run's comparison finished before: its records
+    run.writer.close()
+    print(f"{workdir}: the comparison recorded in metrics.jsonl", flush=True)
+    rows = [done[k] for k in want]
+    return rows, token_totals(rows)
   cfg, td, teacher, family = pipeline.train_family(run)
   examples = pipeline.held_out(run)
   ev, L1, B = config.eval, run.seq_lens[0], config.data.batch
@@ -98,7 +110,6 @@ def compare_one_seed(config, workdir: str, quick: bool):
 
   rows = [("parent", cfg.budget_names[0], count_params(cfg).active, parent_tokens,
            *evaluate_model(teacher, cfg))]
-  sizes = cfg.budget_names[1:][-1:] if quick else cfg.budget_names[1:]
   for name in sizes:
     counts = family.budget_counts[name]
     elastic_p, small_cfg = slice_params(family.params, cfg, counts)
@@ -120,14 +131,20 @@ def compare_one_seed(config, workdir: str, quick: bool):
                               weight_decay=config.elastic.weight_decay, name=f"minitron_{name}")
     rows.append(("minitron", name, active, parent_tokens + distill_steps * B * L1,
                  *evaluate_model(minitron, small_cfg)))
-  totals = {"elastic": parent_tokens + elastic_tokens,
-            "scratch": scratch_steps * B * L1 * len(sizes),
-            "minitron": parent_tokens + len(sizes) * distill_steps * B * L1}
   for r in rows:
     run.writer.write("compare", approach=r[0], budget=r[1], active_params=r[2], tokens=r[3],
                      val_loss=r[4], answer_acc=r[5])
   run.writer.close()
-  return rows, totals
+  return rows, token_totals(rows)
+
+
+def token_totals(rows) -> dict:
+  """The paper's accounting from one seed's rows: student tokens to obtain every smaller size,
+  the parent's pretraining counted once where it is used."""
+  parent = next(r[3] for r in rows if r[0] == "parent")
+  tokens = lambda a: [r[3] for r in rows if r[0] == a]
+  return {"elastic": tokens("elastic")[0], "scratch": sum(tokens("scratch")),
+          "minitron": parent + sum(t - parent for t in tokens("minitron"))}
 
 
 def summarize(rows) -> list[tuple]:

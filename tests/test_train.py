@@ -123,9 +123,9 @@ def test_elastic_vs_separate_quick_mode(reference, tmp_path):
   ref_dir, _ = reference
   workdir = tmp_path / "evs"
   shutil.copytree(ref_dir, workdir / "seed_0")   # the config's seed: one run directory per seed
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "elastic_vs_separate.py"),
-                      "--quick", f"--workdir={workdir}"], capture_output=True, text=True,
-                     timeout=900, cwd=str(tmp_path))
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "elastic_vs_separate.py"), "--quick",
+         f"--workdir={workdir}"]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   # The main job's parent and family, reused as they are (a finished phase resumes at its end).
   assert "parent: loaded the nested parent" in r.stdout
@@ -140,6 +140,11 @@ def test_elastic_vs_separate_quick_mode(reference, tmp_path):
   assert len(rows) == 6 and all("| 14,848 |" in l for l in rows), rows
   summary = [l for l in rows if l.startswith("| elastic | small |")]
   assert len(summary) == 1 and "| 1 | " in summary[0] and summary[0].count("± 0.000 [") == 2
+  # A rerun reads the finished comparison from the run's records: the same table, no training.
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "comparison recorded in metrics.jsonl" in r.stdout and "scratch_small" not in r.stdout
+  assert (workdir / "elastic_vs_separate.md").read_text() == table
   assert (workdir / "elastic_vs_separate.png").stat().st_size > 10_000
 
 
