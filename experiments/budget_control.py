@@ -58,6 +58,19 @@ def compare(standard, elastic) -> dict:
   return {"acc_gain": gain, "speedup": speed}
 
 
+def at_most_accurate(standard, elastic) -> dict:
+  """At the standard frontier's most accurate point (lat*, acc*): the elastic frontier's accuracy
+  gain at no more latency (best accuracy with latency <= lat*, minus acc*) and its latency
+  ratio at no less accuracy (lat* / least latency with accuracy >= acc*); None where no elastic
+  point is that fast / that accurate. The comparison the paper's claim is about (the low-cap
+  points of a model that needs its whole trace answer nothing, whatever the control)."""
+  lat, acc = standard[-1]
+  fast = [a for l, a in elastic if l <= lat]
+  good = [l for l, a in elastic if a >= acc]
+  return {"point": (lat, acc), "acc_gain": max(fast) - acc if fast else None,
+          "speedup": lat / min(good) if good else None}
+
+
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
   """95% Wilson score interval of a binomial proportion hits / n."""
   import math
@@ -82,14 +95,22 @@ def bootstrap_compare(configs, hits, lats, n_boot: int = 1000, seed: int = 0) ->
   for k in ("elastic", "transplant"):
     if not (kinds == k).any() or not (kinds == "standard").any():
       continue
-    gains, speeds = [], []
+    gains, speeds, top_gain, top_speed = [], [], [], []
     for b in range(n_boot):
       pts = lambda kind: frontier(list(zip(lat[kinds == kind, b], acc[kinds == kind, b])))
-      cmp = compare(pts("standard"), pts(k))
+      std, other = pts("standard"), pts(k)
+      cmp, top = compare(std, other), at_most_accurate(std, other)
       gains.append(cmp["acc_gain"][0] if cmp["acc_gain"] else 0.0)
       speeds.append(cmp["speedup"][0] if cmp["speedup"] else 1.0)
-    out[k] = {"acc_gain": tuple(np.percentile(gains, [2.5, 97.5])),
-              "speedup": tuple(np.percentile(speeds, [2.5, 97.5]))}
+      top_gain.append(np.nan if top["acc_gain"] is None else top["acc_gain"])
+      top_speed.append(np.nan if top["speedup"] is None else top["speedup"])
+    ci = lambda v: (tuple(np.nanpercentile(v, [2.5, 97.5])) if not np.all(np.isnan(v))
+                    else (np.nan, np.nan))
+    out[k] = {"acc_gain": ci(gains), "speedup": ci(speeds),
+              # at the most accurate standard point; "defined": resamples where it exists
+              "top_acc_gain": ci(top_gain), "top_speedup": ci(top_speed),
+              "top_defined": (float(np.mean(~np.isnan(top_gain))),
+                              float(np.mean(~np.isnan(top_speed))))}
   return out
 
 
@@ -103,15 +124,18 @@ def held_out_items(checkpoint: str, n: int, seed: int | None, sources) -> tuple[
   record = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "run_config.json")
   if seed is None and os.path.exists(record):
     with open(record) as f:
-      c = json.load(f)["config"]
-    ev = c["eval"]
+      r = json.load(f)
+    if "held_out" not in r:
+      raise ValueError(f"{record} predates recording the held-out items; rerun the run's "
+                       "command once (it resumes and completes the record), or pass --seed")
+    ev, run_seed = r["held_out"], r["config"]["seed"]
     if n > ev["n_reasoning"]:
       raise ValueError(f"--n={n}: the run holds out only eval.n_reasoning={ev['n_reasoning']} "
                        "items; pass --n at most that, or --seed for items its corpus may hold")
     # pipeline.held_out's draw (the first n of them), which the run's corpus excludes
-    items = data.reasoning_examples(ev["n_reasoning"], seed=rng.seed_for(c["seed"], "eval"),
+    items = data.reasoning_examples(ev["n_reasoning"], seed=rng.seed_for(run_seed, "eval"),
                                     sources=tuple(ev["sources"]))[:n]
-    return items, f"the first {n} held-out items of the run (seed {c['seed']})"
+    return items, f"the first {n} held-out items of the run (seed {run_seed})"
   seed = 10_000 if seed is None else seed
   return (data.reasoning_examples(n, seed=seed, sources=tuple(sources)),
           f"{n} items of reasoning_examples(seed={seed}) (not checked against any corpus)")
@@ -240,6 +264,19 @@ def _report(rows, boot, out, checkpoint, where, max_answer_tokens):
         (g0, g1), (s0, s1) = boot[k]["acc_gain"], boot[k]["speedup"]
         lines.append(f"  95% bootstrap intervals (items resampled, frontiers redone): accuracy "
                      f"gain [{g0:+.3f}, {g1:+.3f}], latency ratio [{s0:.2f}x, {s1:.2f}x]")
+      top = at_most_accurate(fronts["standard"], fronts[k])
+      (lat, acc), g, s = top["point"], top["acc_gain"], top["speedup"]
+      line = (f"- {k} vs standard at standard's most accurate point ({1000 * lat:.1f} ms, acc "
+              f"{acc:.3f}): accuracy gain at no more latency " +
+              (f"{g:+.3f}" if g is not None else f"none (no {k} point that fast)") +
+              "; latency ratio at no less accuracy " +
+              (f"{s:.2f}x" if s is not None else f"none (no {k} point that accurate)"))
+      if k in boot:
+        b = boot[k]
+        (g0, g1), (s0, s1), (dg, ds) = b["top_acc_gain"], b["top_speedup"], b["top_defined"]
+        line += (f"; 95% bootstrap intervals: gain [{g0:+.3f}, {g1:+.3f}] (defined in {dg:.0%} "
+                 f"of resamples), ratio [{s0:.2f}x, {s1:.2f}x] (defined in {ds:.0%})")
+      lines.append(line)
   text = "\n".join(lines) + "\n"
   print(text)
   os.makedirs(out, exist_ok=True)

@@ -148,20 +148,24 @@ def token_totals(rows) -> dict:
 
 
 def summarize(rows) -> list[tuple]:
-  """Per (approach, size) over seeds, in first-seen order: (approach, size, active params, tokens,
-  seeds, val loss mean, sd, min, max, accuracy mean, sd, min, max); sd is the sample standard
-  deviation (0 for one seed)."""
+  """Per (approach, size) over seeds, in first-seen order: (approach, size, mean active params,
+  tokens, seeds, val loss mean, sd, min, max, accuracy mean, sd, min, max, active params min,
+  max); sd is the sample standard deviation (0 for one seed). Each seed's router picks its own
+  architecture per budget, so the active params of a size differ slightly between seeds."""
   import numpy as np
   groups: dict = {}
   for seed, approach, name, active, tokens, loss, acc in rows:
-    groups.setdefault((approach, name, active, tokens), []).append((loss, acc))
+    groups.setdefault((approach, name, tokens), []).append((loss, acc, active))
   out = []
-  for key, vals in groups.items():
+  for (approach, name, tokens), vals in groups.items():
+    vals = np.asarray(vals, float)
     stats = []
-    for col in np.asarray(vals, float).T:
+    for col in vals[:, :2].T:
       sd = float(col.std(ddof=1)) if len(col) > 1 else 0.0
       stats += [float(col.mean()), sd, float(col.min()), float(col.max())]
-    out.append((*key, len(vals), *stats))
+    active = vals[:, 2]
+    out.append((approach, name, float(active.mean()), tokens, len(vals), *stats,
+                int(active.min()), int(active.max())))
   return out
 
 
@@ -169,12 +173,15 @@ def _table(rows, totals) -> str:
   full_active = next(r[3] for r in rows if r[1] == "parent")
   seeds = sorted({r[0] for r in rows})
   lines = [f"Mean and spread over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}): mean ± "
-           "sample sd [min, max]; every row of a size saw the same tokens.", "",
+           "sample sd [min, max]; every row of a size saw the same tokens; active ratio: mean "
+           "[min, max] where the seeds' routers chose different architectures.", "",
            "| approach | size | active ratio | tokens for this size | seeds | val loss "
            "| answer acc |", "|---|---|---:|---:|---:|---:|---:|"]
-  for (approach, name, active, tokens, n, lm, ls, lmin, lmax, am, asd, amin,
-       amax) in summarize(rows):
-    lines.append(f"| {approach} | {name} | {active / full_active:.3f} | {tokens:,} | {n} | "
+  for (approach, name, active, tokens, n, lm, ls, lmin, lmax, am, asd, amin, amax, a0,
+       a1) in summarize(rows):
+    ratio = f"{active / full_active:.3f}" + (
+        f" [{a0 / full_active:.3f}, {a1 / full_active:.3f}]" if a0 != a1 else "")
+    lines.append(f"| {approach} | {name} | {ratio} | {tokens:,} | {n} | "
                  f"{lm:.3f} ± {ls:.3f} [{lmin:.3f}, {lmax:.3f}] | "
                  f"{am:.3f} ± {asd:.3f} [{amin:.3f}, {amax:.3f}] |")
   lines += ["", "Per seed:", "", "| seed | approach | size | active params | active ratio | "

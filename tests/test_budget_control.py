@@ -223,6 +223,14 @@ def test_budget_control_intervals():
   configs = [("standard", "full", "full", 0), ("elastic", "small", "full", 0)]
   boot = exp.bootstrap_compare(configs, [[0] * 40, [1] * 40], [[1.0] * 40, [0.5] * 40], 200)
   assert boot["elastic"]["acc_gain"] == (1.0, 1.0) and boot["elastic"]["speedup"] == (2.0, 2.0)
+  assert boot["elastic"]["top_acc_gain"] == (1.0, 1.0) and boot["elastic"]["top_defined"] == (1, 1)
+  # At standard's most accurate point (3.0, 0.9): elastic's best at <= 3.0 is 0.5 (-0.4); it
+  # reaches 0.9 only at 4.0 (ratio 0.75); nothing at all when every elastic point is slower.
+  top = exp.at_most_accurate([(1.0, 0.2), (3.0, 0.9)], [(0.5, 0.5), (4.0, 0.95)])
+  assert top["point"] == (3.0, 0.9) and top["acc_gain"] == pytest.approx(-0.4)
+  assert top["speedup"] == 0.75
+  assert exp.at_most_accurate([(1.0, 0.9)], [(2.0, 0.5)]) == {"point": (1.0, 0.9),
+                                                              "acc_gain": None, "speedup": None}
   assert "transplant" not in boot
   boot = exp.bootstrap_compare(configs, [[0] * 40, [0, 1] * 20], [[1.0] * 40, [0.5] * 40], 500)
   lo, hi = boot["elastic"]["acc_gain"]
@@ -234,7 +242,7 @@ def test_budget_control_items_are_the_runs_held_out(tmp_path):
   exp = _script("budget_control")
   (tmp_path / "nested").mkdir()
   ev = {"n_reasoning": 8, "sources": ["chain_arithmetic"]}
-  (tmp_path / "run_config.json").write_text(json.dumps({"config": {"seed": 3, "eval": ev}}))
+  (tmp_path / "run_config.json").write_text(json.dumps({"config": {"seed": 3}, "held_out": ev}))
   items, where = exp.held_out_items(str(tmp_path / "nested"), 5, None, ("chain_arithmetic",))
   run = types.SimpleNamespace(config=ml_collections.ConfigDict({"seed": 3, "eval": ev}))
   assert items == pipeline.held_out(run)[:5] and "seed 3" in where   # what its corpus excludes

@@ -154,13 +154,13 @@ def test_elastic_vs_separate_summary_over_seeds():
   evs = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(evs)
   rows = [(0, "parent", "full", 10, 100, 2.0, 0.5), (0, "elastic", "small", 5, 120, 3.0, 0.25),
-          (1, "parent", "full", 10, 100, 2.5, 0.75), (1, "elastic", "small", 5, 120, 4.0, 0.0),
-          (2, "elastic", "small", 5, 120, 3.5, 0.5)]
+          (1, "parent", "full", 10, 100, 2.5, 0.75), (1, "elastic", "small", 4, 120, 4.0, 0.0),
+          (2, "elastic", "small", 6, 120, 3.5, 0.5)]   # seeds' routers: 5, 4, 6 active params
   (p, e) = evs.summarize(rows)
   assert p == ("parent", "full", 10, 100, 2, 2.25, pytest.approx(0.5 ** 0.5 / 2), 2.0, 2.5,
-               0.625, pytest.approx(0.25 / 2 ** 0.5), 0.5, 0.75)
+               0.625, pytest.approx(0.25 / 2 ** 0.5), 0.5, 0.75, 10, 10)
   assert e[:5] == ("elastic", "small", 5, 120, 3) and e[5:9] == (3.5, 0.5, 3.0, 4.0)
-  assert e[9:] == (0.25, 0.25, 0.0, 0.5)
+  assert e[9:] == (0.25, 0.25, 0.0, 0.5, 4, 6)
 
 
 def test_quantized_family_from_the_main_job(reference, tmp_path):
@@ -352,8 +352,22 @@ def test_rerun_with_other_settings_is_refused(tmp_path):
   pipeline.Run(tiny.get_config(), work, {"data_files": ["/a.txt"]})._lock.close()
   pipeline.Run(tiny.get_config(), work, {"data_files": ["/a.txt"], "hf_dir": None})._lock.close()
   same = tiny.get_config()
-  same.log_every, same.checkpoint.save_every = 1, 7
+  same.log_every, same.checkpoint.save_every, same.eval.max_think_tokens = 1, 7, 16
   pipeline.Run(same, work, {"data_files": ["/a.txt"]})._lock.close()
+  # The held-out items decide the corpus (it leaves their questions out): recorded and compared.
+  held = tiny.get_config()
+  held.eval.n_reasoning = 32
+  with pytest.raises(ValueError, match=r"other settings \(held_out.n_reasoning\)"):
+    pipeline.Run(held, work, {"data_files": ["/a.txt"]})
+  # A record from before held_out was recorded is taken to match, and completed.
+  record = os.path.join(work, "run_config.json")
+  with open(record) as f:
+    full = json.load(f)
+  with open(record, "w") as f:
+    json.dump({k: v for k, v in full.items() if k != "held_out"}, f)
+  pipeline.Run(tiny.get_config(), work, {"data_files": ["/a.txt"]})._lock.close()
+  with open(record) as f:
+    assert json.load(f) == full
   other = tiny.get_config()
   other.elastic.lr = 5e-4
   other.model.hidden_choices = (96, 64)

@@ -96,6 +96,9 @@ def sample(logits_BV, key, temperature, top_p):
 @functools.partial(jax.jit, static_argnames=("config", "moe_impl"), donate_argnames=("cache",))
 def _step(params, tokens_BT, valid_BT, cache, masks, key, temperature, top_p, *, config,
           moe_impl):
+  # The sampling key of this step is `key` folded with the cache's position (on device: a
+  # host-side fold_in would cost a dispatch per token).
+  key = jax.random.fold_in(key, cache["pos"])
   # Quantized params (QTensor leaves) stay packed in memory; the step dequantizes them.
   logits, cache = apply_cached(dequantize_params(params), tokens_BT, cache, masks,
                                config=config, valid_BT=valid_BT, moe_impl=moe_impl,
@@ -181,13 +184,14 @@ def extend(slc: SubModel, state: DecodeState, tokens_BT, valid_BT=None, *,
   cache, pending, logits = state.cache, state.pending, state.logits
   for s in range(0, T, chunk):
     toks, valid = tokens_BT[:, s:s + chunk], valid_BT[:, s:s + chunk]
-    cache, new_logits, nxt = _step(slc.params, toks, valid, cache, slc.masks,
-                                   jax.random.fold_in(key, pos + s), sampler.temperature,
-                                   sampler.top_p, config=slc.config, moe_impl=slc.moe_impl)
+    cache, new_logits, nxt = _step(slc.params, toks, valid, cache, slc.masks, key,
+                                   sampler.temperature, sampler.top_p, config=slc.config,
+                                   moe_impl=slc.moe_impl)
     fed = valid.any(1)
     pending = np.where(fed, np.asarray(nxt), pending)
-    logits = new_logits if logits is None else jnp.where(jnp.asarray(fed)[:, None], new_logits,
-                                                         logits)
+    # Every row fed (a decode step of live rows): no select to dispatch.
+    logits = (new_logits if logits is None or fed.all() else
+              jnp.where(jnp.asarray(fed)[:, None], new_logits, logits))
   return dataclasses.replace(state, cache=cache, pending=pending, logits=logits)
 
 

@@ -154,7 +154,9 @@ class Run:
     differ, naming the fields (`restart` removes RUN_OUTPUTS first)."""
     c = self.config.to_dict()
     inputs = {k: v for k, v in self.inputs.items() if v}   # an unset input is no input
-    record = {"config": {k: c[k] for k in RESULT_SECTIONS}, "inputs": inputs}
+    # The held-out evaluation items decide the corpus too (it leaves their questions out).
+    held = {"n_reasoning": c["eval"]["n_reasoning"], "sources": list(c["eval"]["sources"])}
+    record = {"config": {k: c[k] for k in RESULT_SECTIONS}, "held_out": held, "inputs": inputs}
     if c["quant"]["format"]:
       record["quant"] = {c["quant"]["format"]: c["quant"]}
     record = json.loads(json.dumps(record))
@@ -169,6 +171,10 @@ class Run:
     if os.path.exists(path):
       with open(path) as f:
         old_record = json.load(f)
+      # Records written before "held_out" was recorded: their runs are taken to match (and
+      # the record is completed below).
+      legacy = "held_out" not in old_record
+      old_record = {**old_record, "held_out": old_record.get("held_out", held)}
       # Every format a run has quantized to stays recorded; only a format made before must
       # keep its settings (a new one, or none, adds nothing to compare).
       made, asked = old_record.get("quant", {}), record.pop("quant", {})
@@ -185,7 +191,7 @@ class Run:
                          f"{', ...' if len(changed) > 6 else ''}); rerun with the same settings "
                          "to resume, pass --restart to start this workdir over, or use another "
                          "--workdir")
-      if record == old_record:
+      if record == old_record and not legacy:
         return
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
