@@ -35,12 +35,6 @@ from ml_collections import config_flags
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)  # `configs` when run as a script from anywhere
 
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "tiny.py"),
-                                          "run config (configs/*.py) with --config.* overrides")
-flags.DEFINE_string("workdir", "runs/elastic_vs_separate", "run directory (re-run to resume)")
-flags.DEFINE_string("out", None, "where to write the table and plot (default: --workdir)")
-flags.DEFINE_bool("quick", False, "reduced mode: few steps, the smallest budget only")
-flags.DEFINE_list("seeds", None, "run seeds (default: the config's seed)")
 FLAGS = flags.FLAGS
 
 def main(argv):
@@ -225,4 +219,12 @@ def _plot(rows, path):
 
 
 if __name__ == "__main__":
+  # Flags only when run as a script: the tests import this module's helpers next to the CLIs'.
+  _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(_ROOT, "configs", "tiny.py"),
+                                            "run config (configs/*.py) with --config.* "
+                                            "overrides")
+  flags.DEFINE_string("workdir", "runs/elastic_vs_separate", "run directory (re-run to resume)")
+  flags.DEFINE_string("out", None, "where to write the table and plot (default: --workdir)")
+  flags.DEFINE_bool("quick", False, "reduced mode: few steps, the smallest budget only")
+  flags.DEFINE_list("seeds", None, "run seeds (default: the config's seed)")
   app.run(main)
