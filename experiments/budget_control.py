@@ -119,8 +119,7 @@ def held_out_items(checkpoint: str, n: int, seed: int | None, sources) -> tuple[
   sits next to the checkpoint and no `seed` is given, else reasoning_examples(n, seed)."""
   import json
 
-  from elastic_jax import rng
-  from elastic_jax.training import data
+  from elastic_jax.training import data, pipeline
   record = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "run_config.json")
   if seed is None and os.path.exists(record):
     with open(record) as f:
@@ -132,9 +131,8 @@ def held_out_items(checkpoint: str, n: int, seed: int | None, sources) -> tuple[
     if n > ev["n_reasoning"]:
       raise ValueError(f"--n={n}: the run holds out only eval.n_reasoning={ev['n_reasoning']} "
                        "items; pass --n at most that, or --seed for items its corpus may hold")
-    # pipeline.held_out's draw (the first n of them), which the run's corpus excludes
-    items = data.reasoning_examples(ev["n_reasoning"], seed=rng.seed_for(run_seed, "eval"),
-                                    sources=tuple(ev["sources"]))[:n]
+    # the first n of the run's held-out draw, which its corpus excludes
+    items = pipeline.held_out_for(run_seed, **ev)[:n]
     return items, f"the first {n} held-out items of the run (seed {run_seed})"
   seed = 10_000 if seed is None else seed
   return (data.reasoning_examples(n, seed=seed, sources=tuple(sources)),

@@ -74,8 +74,8 @@ def main(argv):
     sub = (x[:, :, :, :h], dt[:, :, :, :h], A[:, :h], Bm, Cm)
     flops = ssd_flops(T, G * h, P, N, L)
     budget = f"{G * h} heads"
-    row("SSD fwd", budget, "xla masked", shape(H), median_time(xla_ssd, x, dt, A, Bm, Cm, iters=it),
-        flops)
+    row("SSD fwd", budget, "xla masked", shape(H),
+        median_time(xla_ssd, x, dt, A, Bm, Cm, iters=it), flops)
     row("SSD fwd", budget, "xla sliced", shape(h), median_time(xla_ssd, *sub, iters=it), flops)
     row("SSD fwd", budget, "pallas masked (skips heads)", shape(H),
         median_time(kern_ssd, keep, x, dt, A, Bm, Cm, iters=it), flops)
@@ -84,8 +84,8 @@ def main(argv):
   # One backward at the full budget: fwd + bwd of a weighted sum.
   loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 3, 4)))
   flops = 3 * ssd_flops(T, G * H, P, N, L)
-  row("SSD fwd+bwd", f"{G * H} heads", "xla", shape(H), median_time(loss(xla_ssd), x, dt, A, Bm, Cm,
-                                                               iters=it), flops)
+  row("SSD fwd+bwd", f"{G * H} heads", "xla", shape(H),
+      median_time(loss(xla_ssd), x, dt, A, Bm, Cm, iters=it), flops)
   row("SSD fwd+bwd", f"{G * H} heads", "pallas", shape(H),
       median_time(loss(lambda *a: kern_ssd(None, *a)), x, dt, A, Bm, Cm, iters=it), flops)
 

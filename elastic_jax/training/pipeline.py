@@ -423,5 +423,10 @@ def train_family(run: Run, hf_dir: str | None = None, data_files: Sequence[str] 
 def held_out(run: Run) -> list[dict]:
   """Reasoning items for evaluation, from a seed the corpus does not use."""
   ev = run.config.eval
-  return data.reasoning_examples(ev.n_reasoning, seed=rng.seed_for(run.config.seed, "eval"),
-                                 sources=tuple(ev.sources))
+  return held_out_for(run.config.seed, ev.n_reasoning, ev.sources)
+
+
+def held_out_for(seed: int, n_reasoning: int, sources: Sequence[str]) -> list[dict]:
+  """`held_out` of a run with this seed and these eval settings (what its run record holds)."""
+  return data.reasoning_examples(n_reasoning, seed=rng.seed_for(seed, "eval"),
+                                 sources=tuple(sources))
