@@ -64,9 +64,11 @@ def defaults() -> ml_collections.ConfigDict:
       # Quantized family after elastic training: "" (none), "fp8" or "nvfp4". The trained family
       # is quantized once (every budget a prefix of its codes and scales) after `qad_steps` of
       # quantization-aware distillation (0: post-training quantization only), saved to
-      # nested_<format>/ and evaluated per budget. Leaves by name (elastic_jax/quant/tree.py).
-      "quant": {"format": "", "leaves": DEFAULT_LEAVES, "qad_steps": 100, "lr": 1e-4,
-                "warmup": 10},
+      # nested_<format>/ and evaluated per budget. Leaves by name (elastic_jax/quant/tree.py);
+      # `fp8_leaves` of them stay FP8 under nvfp4 (mixed precision, e.g. attention and Mamba
+      # projections FP8, experts NVFP4: ModelOpt's MIXED_PRECISION export).
+      "quant": {"format": "", "leaves": DEFAULT_LEAVES, "fp8_leaves": (), "qad_steps": 100,
+                "lr": 1e-4, "warmup": 10},
       "eval": {"n_reasoning": 64, "sources": ("chain_arithmetic",), "max_think_tokens": 48,
                "max_answer_tokens": 8},
       "checkpoint": {"save_every": 50, "keep": 2},

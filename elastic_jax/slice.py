@@ -5,7 +5,9 @@
   python -m elastic_jax.slice --checkpoint=runs/tiny/nested_nvfp4 --budget=small --format=hf ...
 
 From a quantized checkpoint (`nested_<format>/` of the main job), `--format=hf` writes NVIDIA
-ModelOpt's format (packed codes and scales, `quantization_config`; io/modelopt.py).
+ModelOpt's format (packed codes and scales, `quantization_config`; io/modelopt.py); with
+`--calibration_data=default` (or local .txt / .jsonl files) each quantized Linear also gets the
+`input_scale` that W4A4 / W8A8 serving needs, from the slice's activations on that data.
 
 --budget is a budget name stored in the checkpoint, or comma-separated per-axis counts
 (axis=count, or axis=c1:c2:... with one count per layer of that axis' kind).
@@ -24,7 +26,12 @@ flags.DEFINE_string("budget", None, "budget name or axis=count,... (default: ful
 flags.DEFINE_string("out", None, "output directory", required=True)
 flags.DEFINE_enum("format", "orbax", ["orbax", "hf"], "output format")
 flags.DEFINE_bool("overwrite", False, "replace an existing output")
+flags.DEFINE_list("calibration_data", [],
+                  "quantized --format=hf: local .txt / .jsonl files (or 'default', the embedded "
+                  "corpus) whose activations set each Linear's input_scale")
+flags.DEFINE_integer("calibration_batches", 16, "calibration batches of 4 x 256 tokens")
 FLAGS = flags.FLAGS
+CALIBRATION_BATCH, CALIBRATION_LEN = 4, 256
 
 
 def parse_budget(text: str | None):
@@ -44,12 +51,40 @@ def parse_budget(text: str | None):
   return counts
 
 
-def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False) -> str:
+def calibration_batches(checkpoint_dir: str, sources, n_batches: int,
+                        batch: int = CALIBRATION_BATCH, seq_len: int = CALIBRATION_LEN):
+  """`n_batches` token batches [batch, seq_len] of `sources` (local .txt / .jsonl files, or
+  ["default"]: the embedded corpus), in the checkpoint's own tokenizer, documents packed in
+  order."""
+  from elastic_jax.io import checkpoint
+  from elastic_jax.training import data
+  if n_batches < 1:
+    raise ValueError(f"--calibration_batches must be >= 1, got {n_batches}")
+  tok = checkpoint.tokenizer_file(checkpoint_dir)
+  if tok is None:
+    raise ValueError(f"{checkpoint_dir} stores no tokenizer: calibration needs the one the "
+                     "model was trained with")
+  docs = data.default_corpus() if list(sources) == ["default"] else data.local_corpus(sources)
+  ids = (e.ids for e in data.load_tokenizer(tok).encode_batch(docs))
+  rows = data.pack(ids, seq_len)[:, :seq_len]
+  n = min(n_batches, len(rows) // batch)
+  if n < 1:
+    raise ValueError(f"calibration data {list(sources)} holds {len(rows)} rows of {seq_len} "
+                     f"tokens, fewer than one batch of {batch}")
+  return [rows[i * batch:(i + 1) * batch] for i in range(n)]
+
+
+def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False,
+        calibration=None) -> str:
+  """Writes the slice; `calibration` (token batches [B, T]) sets a quantized HF export's
+  input scales from the slice's own activations (`quant.calibrate`)."""
   from elastic_jax import count_params
   from elastic_jax.elastic import deploy
   import jax
   from elastic_jax.io import checkpoint, hf, modelopt
+  from elastic_jax.quant import calibrate
   from elastic_jax.quant.qtensor import is_qtensor
+  from elastic_jax.quant.tree import dequantize_params
 
   src, dst = os.path.realpath(checkpoint_dir), os.path.realpath(out)
   if src == dst or src.startswith(dst + os.sep):
@@ -69,8 +104,23 @@ def run(checkpoint_dir: str, budget, out: str, fmt: str, overwrite: bool = False
   pc = count_params(cfg)
   print(f"restored budget {budget or 'full'}: {pc.total:,} total / {pc.active:,} active params, "
         f"{read / 1e6:.1f} MB read in {time.perf_counter() - t0:.1f}s", flush=True)
-  if fmt == "hf" and any(is_qtensor(x) for x in jax.tree.leaves(params, is_leaf=is_qtensor)):
-    modelopt.save_pretrained(out, params, cfg, overwrite=overwrite)   # a quantized family
+  quantized = any(is_qtensor(x) for x in jax.tree.leaves(params, is_leaf=is_qtensor))
+  if calibration and not (quantized and fmt == "hf"):
+    raise ValueError("--calibration_data sets the input scales of a quantized --format=hf "
+                     f"export; {checkpoint_dir} is {'' if quantized else 'not '}quantized and "
+                     f"--format is {fmt}")
+  if fmt == "hf" and quantized:   # a quantized family: ModelOpt's format
+    amax = None
+    if calibration:
+      t1 = time.perf_counter()
+      amax = calibrate.input_amax(dequantize_params(params), cfg, calibration)
+      n = sum(int(b.size) for b in calibration)
+      print(f"calibrated input scales on {n:,} tokens in {time.perf_counter() - t1:.1f}s",
+            flush=True)
+    else:
+      print("no --calibration_data: the export carries no input_scale (weight-only serving; "
+            "W4A4 / W8A8 engines need one)", flush=True)
+    modelopt.save_pretrained(out, params, cfg, input_amax=amax, overwrite=overwrite)
   elif fmt == "hf":
     hf.save_pretrained(out, params, cfg, overwrite=overwrite)
   else:
@@ -85,7 +135,11 @@ def main(argv):
   del argv
   from absl import logging
   logging.set_verbosity(logging.ERROR)  # Orbax logs every file at INFO, chunking hints at WARNING
-  run(FLAGS.checkpoint, parse_budget(FLAGS.budget), FLAGS.out, FLAGS.format, FLAGS.overwrite)
+  calibration = (calibration_batches(FLAGS.checkpoint, FLAGS.calibration_data,
+                                     FLAGS.calibration_batches)
+                 if FLAGS.calibration_data else None)
+  run(FLAGS.checkpoint, parse_budget(FLAGS.budget), FLAGS.out, FLAGS.format, FLAGS.overwrite,
+      calibration)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,18 @@ from elastic_jax.elastic.axes import AXES
 from elastic_jax.elastic.slicing import slice_params
 from elastic_jax.quant import formats
 from elastic_jax.quant.qtensor import QTensor, quantize
-from elastic_jax.quant.tree import (QuantSpec, block_axis, check, dequantize_params,
-                                    fake_quant_params, plan, quantize_params)
+from elastic_jax.quant.tree import (DEFAULT_LEAVES, QuantSpec, block_axis, check,
+                                    dequantize_params, fake_quant_params, plan, quantize_params)
 
 # The tiny config, every axis elastic, every nvfp4 block dim and choice a multiple of 16.
 QCFG = MODEL.replace(hidden_size=64, hidden_choices=(64, 48, 32), moe_intermediate_size=48,
                      moe_ffn_choices=(48, 32, 16), moe_shared_expert_intermediate_size=32,
                      vocab_size=128, attention_head_choices=(4, 2), mamba_head_dim=32,
                      mamba_head_dim_choices=(32, 16), depth_choices=(8, 7, 6))
+
+
+# Mixed precision as NVIDIA ships Nemotron-H: routed experts NVFP4, every other Linear FP8.
+MIXED = QuantSpec("nvfp4", fp8_leaves=tuple(k for k in DEFAULT_LEAVES if k not in ("up", "down")))
 
 
 @pytest.fixture(scope="module")
@@ -180,13 +184,15 @@ def test_fake_quant_of_the_scanned_layout_quantizes_layer_by_layer(qparams_f32):
   cfg = QCFG.replace(scan_layers=True)
   stacked = to_stack_layout(qparams_f32, cfg)
   assert "units" in stacked["layers"]
-  for fmt in ("nvfp4", "fp8"):
-    got = to_canonical(fake_quant_params(stacked, cfg, QuantSpec(fmt)), cfg)
-    want = dequantize_params(quantize_params(qparams_f32, cfg, QuantSpec(fmt)))
+  for fmt, spec in (("nvfp4", QuantSpec("nvfp4")), ("fp8", QuantSpec("fp8")), ("mixed", MIXED)):
+    got = to_canonical(fake_quant_params(stacked, cfg, spec), cfg)
+    q = quantize_params(qparams_f32, cfg, spec)
+    want = dequantize_params(q)
     chex.assert_trees_all_equal_structs(got, want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       off = ~np.isclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
       assert off.sum() <= max(1, off.size // 1000), (fmt, off.sum(), off.size)
+  assert [q["layers"]["1"]["mixer"][k].fmt for k in ("up", "shared_up")] == ["nvfp4", "fp8"]
   g = jax.grad(lambda p: jnp.sum(fake_quant_params(p, cfg, QuantSpec("nvfp4"))["layers"]
                                  ["units"]["2"]["mixer"]["up"]))(stacked)
   np.testing.assert_array_equal(np.asarray(g["layers"]["units"]["2"]["mixer"]["up"]), 1.0)

@@ -194,13 +194,21 @@ def test_quantized_family_from_the_main_job(reference, tmp_path):
   small, small_cfg = checkpoint.restore(path, "small")
   assert isinstance(small["layers"]["1"]["mixer"]["up"], QTensor)
   assert small_cfg.hidden_size == nested["budget_counts"]["small"]["hidden"]
-  # The slice CLI writes a budget of it in ModelOpt's format, which reads back to the same codes.
+  # The slice CLI writes a budget of it in ModelOpt's format, which reads back to the same
+  # codes, with input scales calibrated on the embedded corpus.
   hf_dir = str(tmp_path / "small_nvfp4")
   s = subprocess.run([sys.executable, "-m", "elastic_jax.slice", f"--checkpoint={path}",
-                      "--budget=small", "--format=hf", f"--out={hf_dir}"], capture_output=True,
-                     text=True, timeout=300)
+                      "--budget=small", "--format=hf", f"--out={hf_dir}",
+                      "--calibration_data=default", "--calibration_batches=2"],
+                     capture_output=True, text=True, timeout=300)
   assert s.returncode == 0 and "wrote hf sub-model" in s.stdout, s.stderr[-2000:]
+  assert "calibrated input scales on 2,048 tokens" in s.stdout
   from elastic_jax.io import modelopt
+  from elastic_jax.io import safetensors_io as st
+  t = st.load_folder(hf_dir)
+  scales = [k for k in t if k.endswith(".input_scale")]
+  assert len(scales) == sum(k.endswith(".weight_scale_2") for k in t) > 10
+  assert all(0 < float(t[k]) < 1 for k in scales)
   _, back = modelopt.load_pretrained(hf_dir)
   bits = lambda t: [bytes(np.asarray(x).reshape(-1).view(np.uint8)) for x in jax.tree.leaves(t)]
   assert bits(back) == bits(small)
@@ -299,6 +307,7 @@ def test_train_cli_user_error_is_one_line(tmp_path):
     ("quant.format", "int4", "quant.format must be one of '', 'fp8', 'nvfp4'; got 'int4'"),
     ("quant.leaves", ("up", "A_log"), r"quant leaves \['A_log'\] are not matmul weights"),
     ("quant.qad_steps", -1, "quant.qad_steps must be an int >= 0, got -1"),
+    ("quant.fp8_leaves", ("q",), r"fp8_leaves: \['k', 'q', 'v'\] are one fused matmul"),
 ])
 def test_bad_run_config_is_refused_before_anything_is_written(tmp_path, field, value, match):
   from configs import tiny

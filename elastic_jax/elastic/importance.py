@@ -53,16 +53,22 @@ def _batch_stats(params, tokens, config: ModelConfig, moe_impl: str):
   return stats
 
 
+def _combine(path, total, new):
+  """Sums are added over batches; the input amaxes ("amax" statistics) are maxed."""
+  is_amax = any(getattr(k, "key", None) == "amax" for k in path)
+  return jnp.maximum(total, new) if is_amax else total + new
+
+
 def accumulate(params, config: ModelConfig, batches: Iterable, log_every: int = 0,
                moe_impl: str = "dense"):
-  """Sums per-layer statistics over an iterable of int token batches [B, T]. `moe_impl`: the
-  MoE dispatch; any but "dense" collects the expert statistics from the routed assignments
-  alone (no [tokens, experts, FFN] activations: the way at scale)."""
+  """Sums per-layer statistics (maxes the input amaxes) over int token batches [B, T].
+  `moe_impl`: the MoE dispatch; any but "dense" collects the expert statistics from the routed
+  assignments alone (no [tokens, experts, FFN] activations: the way at scale)."""
   total, n_tokens, t0 = None, 0, time.perf_counter()
   for i, tokens in enumerate(batches):
     tokens = jnp.asarray(tokens)
     stats = _batch_stats(params, tokens, config, moe_impl)
-    total = stats if total is None else jax.tree_util.tree_map(jnp.add, total, stats)
+    total = stats if total is None else jax.tree_util.tree_map_with_path(_combine, total, stats)
     n_tokens += int(tokens.size)
     if log_every and (i + 1) % log_every == 0:
       dt = time.perf_counter() - t0

@@ -7,8 +7,9 @@ Per quantized HF Linear `<m>` (weight [out, in] in HF):
   FP8:   `<m>.weight` float8_e4m3fn [out, in], `<m>.weight_scale` f32,
 and `<m>.input_scale` f32 (activation amax / (6 * 448) for NVFP4, / 448 for FP8) where a
 calibration gave one. `hf_quant_config.json` and config.json's `quantization_config` say
-`quant_method: modelopt`, the algorithm, the group size and the Linear modules left in high
-precision (`exclude_modules`).
+`quant_method: modelopt`, the algorithm (MIXED_PRECISION, with each quantized Linear's own
+in `quantized_layers`, when FP8 and NVFP4 Linears mix), the group size and the Linear modules
+left in high precision (`exclude_modules`).
 
 The layout is exact: HF's tensors are our codes and scales with their entries moved (each HF
 weight gathers from our leaves by the same index moves `hf.params_to_hf` makes of float
@@ -36,6 +37,7 @@ from elastic_jax.quant.tree import block_axis
 QUANT_ALGO = {"nvfp4": "NVFP4", "fp8": "FP8"}
 FMT_OF_ALGO = {v: k for k, v in QUANT_ALGO.items()}
 HF_QUANT_CONFIG = "hf_quant_config.json"
+MIXED = "MIXED_PRECISION"   # formats per layer, listed in `quantized_layers`
 
 
 class ModelOptError(ValueError):
@@ -100,6 +102,22 @@ def _gather(ids, table, q_of, div, component: str):
   return out
 
 
+def _module_amax(ids: np.ndarray, owners, table, input_amax: Mapping) -> float | None:
+  """The input amax of the HF Linear whose weight holds `ids`: the largest of its leaves' (they
+  read the same input), an [E] per-expert amax taken at the expert the weight holds; None if
+  no leaf of it was calibrated."""
+  vals = []
+  for k in owners:
+    path, start, shape = table[k]
+    if path not in input_amax:
+      continue
+    a = np.asarray(input_amax[path], np.float32)
+    if a.ndim:   # per expert: the leaf's dim 0 is the expert
+      a = a[np.unravel_index(int(ids.flat[0]) - start, shape)[0]]
+    vals.append(float(a))
+  return max(vals) if vals else None
+
+
 def _module(name: str) -> str:
   return name[: -len(".weight")]
 
@@ -107,23 +125,23 @@ def _module(name: str) -> str:
 def to_modelopt(qparams, config: ModelConfig,
                 input_amax: Mapping[str, float] | None = None) -> tuple[dict, dict]:
   """(HF tensors, quantization config) of quantized params (`quant.tree.quantize_params`, or a
-  slice of them). `input_amax`: {HF module name: the amax of its input over calibration data}
-  (no calibration pass is built in yet); a module without one gets no input_scale. Raises
+  slice of them; FP8 and NVFP4 leaves together make a MIXED_PRECISION export, each HF Linear
+  in its own format). `input_amax`: {params path of a weight leaf: the amax of its input over
+  calibration data, [E] for routed experts} (`quant.calibrate.input_amax`); a quantized HF
+  Linear none of whose leaves has one gets no input_scale. Raises
   ModelOptError where ModelOpt cannot hold the model: one HF Linear made of quantized and
-  unquantized leaves (Mamba's in_proj is z, x, B, C, dt) or of two global scales, or two
-  formats."""
+  unquantized leaves (Mamba's in_proj is z, x, B, C, dt), of two global scales or of two
+  formats, or a float model."""
   leaves = _leaves(qparams)
   quantized = {k: x for k, x in leaves.items() if is_qtensor(x)}
-  fmts = sorted({x.fmt for x in quantized.values()})
-  if len(fmts) != 1:
-    raise ModelOptError(f"export takes one quantized format, got {fmts or 'none'}")
-  fmt = fmts[0]
+  if not quantized:
+    raise ModelOptError("export takes a quantized model, got no quantized leaf")
   ids, table = _sources(config)
   q_of = {k: leaves[path] for k, (path, _, _) in enumerate(table) if is_qtensor(leaves[path])}
   # Float tensors: the unquantized leaves through the usual converter (placeholders elsewhere).
   floats = jax.tree_util.tree_map(
       lambda x: np.zeros(x.shape, np.int8) if is_qtensor(x) else x, qparams, is_leaf=is_qtensor)
-  out, excluded = {}, []
+  out, excluded, layers = {}, [], {}
   for name, hf_tensor in hf.params_to_hf(floats, config).items():
     owners = _owners(ids[name], table)
     kinds = {k in q_of for k in owners}
@@ -132,8 +150,15 @@ def to_modelopt(qparams, config: ModelConfig,
       if name.endswith(".weight") and hf_tensor.ndim == 2 and "embeddings" not in name:
         excluded.append(_module(name))
       continue
+    fmts = {q_of[k].fmt for k in owners if k in q_of}
+    if len(fmts) > 1:
+      raise ModelOptError(f"{name} is one HF Linear made of {[table[k][0] for k in owners]} "
+                          f"in formats {sorted(fmts)}: give them one format")
     if kinds != {False, True} and len({float(q_of[k].global_scale) for k in owners}) == 1:
       m = _module(name)
+      fmt = fmts.pop()
+      layers[m] = {"quant_algo": QUANT_ALGO[fmt], **({"group_size": formats.BLOCK}
+                                                     if fmt == "nvfp4" else {})}
       scale = np.float32(q_of[owners[0]].global_scale)
       if fmt == "nvfp4":
         out[f"{m}.weight"] = _gather(ids[name], table, q_of, 2, "codes")
@@ -142,17 +167,21 @@ def to_modelopt(qparams, config: ModelConfig,
       else:
         out[f"{m}.weight"] = _gather(ids[name], table, q_of, 1, "codes")
         out[f"{m}.weight_scale"] = np.asarray(scale)
-      if input_amax and m in input_amax:
+      amax = _module_amax(ids[name], owners, table, input_amax or {})
+      if amax is not None:
         top = formats.E2M1_MAX * formats.E4M3_MAX if fmt == "nvfp4" else formats.E4M3_MAX
-        out[f"{m}.input_scale"] = np.asarray(np.float32(input_amax[m]) / np.float32(top))
+        out[f"{m}.input_scale"] = np.asarray(np.float32(amax) / np.float32(top))
       continue
     parts = [table[k][0] for k in owners]
     raise ModelOptError(f"{name} is one HF Linear made of {parts}: quantize all of them or "
                         "none, with one global scale (quant.tree.SHARED_SCALE)")
-  quant = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": None,
-           "exclude_modules": sorted(excluded)}
-  if fmt == "nvfp4":
+  algos = sorted({v["quant_algo"] for v in layers.values()})
+  quant = {"quant_algo": algos[0] if len(algos) == 1 else MIXED,
+           "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded)}
+  if QUANT_ALGO["nvfp4"] in algos:
     quant["group_size"] = formats.BLOCK
+  if len(algos) > 1:   # each quantized Linear's own algorithm
+    quant["quantized_layers"] = dict(sorted(layers.items()))
   return out, quant
 
 
@@ -208,34 +237,43 @@ class _FloatView(Mapping):
 
 
 def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
-  """(ModelConfig, params with QTensor leaves) of a ModelOpt NVFP4 / FP8 export: the codes and
+  """(ModelConfig, params with QTensor leaves) of a ModelOpt NVFP4 / FP8 / MIXED_PRECISION
+  export (each quantized Linear in its `quantized_layers` format): the codes and
   scales exactly as stored (each quantized HF Linear's entries moved back into our leaves), the
   rest as `hf.load_pretrained` reads it. `input_scale` is not read: our model keeps
   activations in high precision."""
   with open(os.path.join(folder, "config.json")) as f:
     q = json.load(f).get("quantization_config") or {}
   algo = q.get("quant_algo")
-  if q.get("quant_method") != "modelopt" or algo not in FMT_OF_ALGO:
+  if q.get("quant_method") != "modelopt" or algo not in (*FMT_OF_ALGO, MIXED):
     raise ModelOptError(f"{folder}: config.json quantization_config is not ModelOpt "
-                        f"{sorted(FMT_OF_ALGO)} (got {q.get('quant_method')!r}, {algo!r})")
-  fmt = FMT_OF_ALGO[algo]
+                        f"{sorted(FMT_OF_ALGO) + [MIXED]} (got {q.get('quant_method')!r}, "
+                        f"{algo!r})")
   config = hf.load_config(folder, **overrides)
   tensors = st.load_folder(folder)
   ids, table = _sources(config)
   owners = {_module(n): _owners(a, table) for n, a in ids.items()
             if n.endswith(".weight") and f"{_module(n)}.weight_scale" in tensors}
   modules = list(owners)
-  owned = {k for ks in owners.values() for k in ks}
+  per_layer = q.get("quantized_layers") or {}
+  fmt_of = {}
+  for m in modules:
+    a = per_layer.get(m, {}).get("quant_algo") if algo == MIXED else algo
+    if a not in FMT_OF_ALGO:
+      raise ModelOptError(f"{folder}: {m} is quantized but its quant_algo is {a!r}; expected "
+                          f"one of {sorted(FMT_OF_ALGO)}")
+    fmt_of[m] = FMT_OF_ALGO[a]
+  owned = {k: fmt_of[m] for m, ks in owners.items() for k in ks}
   # The quantized leaves, each blocked along its input dim (read off its logical axes).
   names = {jax.tree_util.keystr(p): n for p, n in jax.tree_util.tree_flatten_with_path(
       logical_axes(config), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
   shells = {k: QTensor(None, None, None, fmt, block_axis(tuple(names[table[k][0]])),
-                       config.param_dtype) for k in owned}
+                       config.param_dtype) for k, fmt in owned.items()}
   params = hf.params_from_hf(_FloatView(tensors, {f"{m}.weight": ids[f"{m}.weight"].shape
                                                   for m in modules}), config)
   comps = {k: {} for k in owned}
   for m in modules:
-    name = f"{m}.weight"
+    name, fmt = f"{m}.weight", fmt_of[m]
     parts = ([("codes", 2, tensors[name]), ("block_scale", formats.BLOCK,
                                             tensors[f"{m}.weight_scale"])] if fmt == "nvfp4"
              else [("codes", 1, tensors[name])])
@@ -255,9 +293,10 @@ def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
     for k in owners[m]:
       comps[k]["global_scale"] = np.float32(scale)
   by_path = {table[k][0]: QTensor(jax.numpy.asarray(c["codes"]),
-                                  None if fmt == "fp8" else jax.numpy.asarray(c["block_scale"]),
-                                  jax.numpy.asarray(c["global_scale"]), fmt, shells[k].axis,
-                                  config.param_dtype)
+                                  None if owned[k] == "fp8" else
+                                  jax.numpy.asarray(c["block_scale"]),
+                                  jax.numpy.asarray(c["global_scale"]), owned[k],
+                                  shells[k].axis, config.param_dtype)
              for k, c in comps.items()}
   params = jax.tree_util.tree_map_with_path(
       lambda p, x: by_path.get(jax.tree_util.keystr(p), x), params)

@@ -94,7 +94,8 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
   column marked in `key_valid_BS` (which already covers the new columns); aux["state"] is then
   the new cache (else None). `head_mask_H` scales each query head's output (a hard prefix mask
   drops heads exactly as slicing them does). aux["stats"]: with `collect`, {"heads": the
-  Minitron score of each head's output channels [Hq, hd]}, else None."""
+  Minitron score of each head's output channels [Hq, hd], "amax": {"o": the largest |input| of
+  the output projection}}, else None."""
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
   B, T, _ = x_BTD.shape
@@ -124,5 +125,7 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
   stats = {"heads": channel_score(out)} if collect else None
   if head_mask_H is not None:
     out = out * head_mask_H.astype(out.dtype)[:, None]
+  if collect:
+    stats["amax"] = {"o": jnp.max(jnp.abs(out.astype(jnp.float32)))}
   out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
   return out, {"stats": stats, "state": state}

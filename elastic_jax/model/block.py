@@ -23,7 +23,8 @@ class Block(nn.Module):
   `config` is the layer's own config (`ModelConfig.layer_config`). Call with the fp32 residual
   stream x [B,T,D] and this layer's masks ({axis name: mask or None} for the axes of its kind);
   returns (x', aux): aux["stats"] holds calibration statistics when `collect` (the pre-mixer
-  hidden score plus the mixer's own), aux["state"] the new decode state when `state` is given.
+  hidden score plus the mixer's own, and under "amax" each matmul input's largest magnitude),
+  aux["state"] the new decode state when `state` is given.
   """
   config: ModelConfig
   kind: str
@@ -48,7 +49,7 @@ class Block(nn.Module):
       out, aux = MoE(c, name="mixer")(h, layer_masks.get("moe_experts"), layer_masks.get("moe_ffn"),
                                       impl=self.moe_impl, collect=self.collect)
     elif self.kind == "-":
-      out, aux = MLP(c, name="mixer")(h)
+      out, aux = MLP(c, name="mixer")(h, collect=self.collect)
     else:
       raise ValueError(f"unknown layer kind {self.kind!r}; allowed: M * E -")
     out = out.astype(jnp.float32)
@@ -58,5 +59,11 @@ class Block(nn.Module):
     # The residual stream's layout between blocks; a no-op unless traced under a mesh and
     # logical-axis rules (`parallel.sharding.activation_context`).
     x_BTD = nn.with_logical_constraint(x_BTD, ACTIVATION_AXES)
-    stats = {"hidden": channel_score(h), **(aux["stats"] or {})} if self.collect else None
+    stats = None
+    if self.collect:
+      # "amax": the largest |input| of each matmul (input scales of a quantized export); "in"
+      # feeds every projection that reads the normed residual stream.
+      mixer = dict(aux["stats"] or {})
+      amax = {"in": jnp.max(jnp.abs(h)), **mixer.pop("amax", {})}
+      stats = {"hidden": channel_score(h), **mixer, "amax": amax}
     return x_BTD, {"stats": stats, "state": aux["state"]}

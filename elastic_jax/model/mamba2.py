@@ -109,7 +109,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   channel, so dropping a channel is masking it in the output norm's statistic and output).
 
   aux["stats"]: with `collect`, {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P],
-  else None. aux["state"]: with a decode `state` (see `init_state`), the new state after the T
+  "amax": {"out_proj": the largest |input| of out_proj}}, else None. aux["state"]: with a decode `state` (see `init_state`), the new state after the T
   tokens, else None.
   `valid_BT` False marks left padding (in each row, False entries precede True ones): padded
   tokens leave the conv and SSM state untouched (dt = 0), so a padded row computes what the
@@ -164,6 +164,8 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
     heads = jnp.ones(y.shape[2:4]) if head_mask_GH is None else head_mask_GH
     mask = heads.astype(jnp.float32)[..., None] * channel_mask_P.astype(jnp.float32)
   y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, mask).astype(dt_)
+  if collect:
+    stats["amax"] = {"out_proj": jnp.max(jnp.abs(y.astype(jnp.float32)))}
   out = jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
   return out, {"stats": stats, "state": None if state is None else new_state}
 

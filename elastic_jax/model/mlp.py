@@ -11,11 +11,13 @@ from elastic_jax.model import initializers as init
 from elastic_jax.model.moe import relu2
 
 
-def mlp(p: dict, x_BTD, c: ModelConfig):
-  """MLP forward on params `p`: (out [B,T,D], aux) with empty aux, like every mixer."""
+def mlp(p: dict, x_BTD, c: ModelConfig, collect: bool = False):
+  """MLP forward on params `p`: (out [B,T,D], aux). aux["stats"]: with `collect`, {"amax":
+  {"down": the largest |input| of the down projection}}, else None."""
   dt_ = jnp.dtype(c.compute_dtype)
-  out = relu2(x_BTD.astype(dt_) @ p["up"].astype(dt_)) @ p["down"].astype(dt_)
-  return out, {"stats": None, "state": None}
+  act = relu2(x_BTD.astype(dt_) @ p["up"].astype(dt_))
+  stats = {"amax": {"down": jnp.max(jnp.abs(act.astype(jnp.float32)))}} if collect else None
+  return act @ p["down"].astype(dt_), {"stats": stats, "state": None}
 
 
 class MLP(nn.Module):
@@ -23,11 +25,11 @@ class MLP(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, collect: bool = False):
     c = self.config
     D, F = c.hidden_size, c.intermediate_size
     p = init.declare(self, {
         "up": ((D, F), ("embed", "mlp"), init.normal(c.initializer_range), c.param_dtype),
         "down": ((F, D), ("mlp", "embed"),
                  init.normal(c.initializer_range / math.sqrt(c.num_layers)), c.param_dtype)})
-    return mlp(p, x_BTD, c)
+    return mlp(p, x_BTD, c, collect)

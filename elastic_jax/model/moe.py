@@ -140,7 +140,9 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
   statistics (impl "dense": from every expert's activations; any other impl: from the T*k
   routed assignments only, the same values without [T, E, F] temporaries): ffn [F] = sum_b (mean over routed (t, e) of |g * relu^2 act|)^2, the
   gate-weighted down-projection input as ModelOpt reads it; per expert sums over routed tokens
-  of g * ||E(x)|| (REAP), of ||E(x)|| (ungated) and the routed-token count; else None.
+  of g * ||E(x)|| (REAP), of ||E(x)|| (ungated) and the routed-token count; "amax": the
+  largest |input| of each expert's up and down projection over its routed tokens ([E]; 0 for
+  an expert no token reached) and of the shared down projection; else None.
   aux["state"] is always None (the MoE keeps no decode state)."""
   if impl not in MOE_IMPLS:
     raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
@@ -166,8 +168,14 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     per_b = jax.ops.segment_sum(ga, a["token"] // T, num_segments=B) / (T * k)
     norm = jnp.linalg.norm(a["y"].astype(jnp.float32), axis=-1)
     by_expert = lambda v: jax.ops.segment_sum(v, a["expert"], num_segments=E + 1)[:E]
+    # Largest |input| per expert (0 for an expert no token reached).
+    max_by_expert = lambda v: jnp.maximum(
+        jax.ops.segment_max(v, a["expert"], num_segments=E + 1)[:E], 0.0)
+    x_amax_T = jnp.max(jnp.abs(x_TD.astype(jnp.float32)), axis=-1)
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0), "reap_sum": by_expert(a["gate"] * norm),
-             "norm_sum": by_expert(norm), "count": by_expert(jnp.ones_like(norm))}
+             "norm_sum": by_expert(norm), "count": by_expert(jnp.ones_like(norm)),
+             "amax": {"up": max_by_expert(x_amax_T[a["token"]]),
+                      "down": max_by_expert(jnp.max(jnp.abs(a["act"].astype(jnp.float32)), -1))}}
   elif collect:
     routed, act, y = _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=True)
     E = p["up"].shape[0]
@@ -177,15 +185,23 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     # gate_TE is 0 off the routed (t, e) pairs, so this also keeps only routed activations.
     a = jnp.abs(act.astype(jnp.float32) * gate_TE[..., None]).reshape(B, T, E, -1)
     per_b = jnp.sum(a, axis=(1, 2)) / jnp.maximum(jnp.sum(hit_TE.reshape(B, T, E), (1, 2)), 1)[:, None]
+    x_amax_T = jnp.max(jnp.abs(x_TD.astype(jnp.float32)), axis=-1)
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0),
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
-             "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0)}
+             "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0),
+             "amax": {"up": jnp.max(hit_TE * x_amax_T[:, None], 0),
+                      "down": jnp.max(jnp.abs(act.astype(jnp.float32)) * hit_TE[..., None],
+                                      (0, 2))}}
   else:
     grouped = {"gmm_backend": gmm_backend} if impl in ("ragged", "ep") else {}
     routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_, **grouped)
   if stats is not None and placed:  # per-expert statistics back in logical order
     inv = np.argsort(perm)
-    stats = {name: v if name == "ffn" else v[inv] for name, v in stats.items()}
-  shared = relu2(x_TD @ p["shared_up"].astype(dt_)) @ p["shared_down"].astype(dt_)
+    stats = jax.tree_util.tree_map_with_path(
+        lambda path, v: v if path[-1].key == "ffn" else v[inv], stats)
+  shared_act = relu2(x_TD @ p["shared_up"].astype(dt_))
+  if stats is not None:
+    stats["amax"]["shared_down"] = jnp.max(jnp.abs(shared_act.astype(jnp.float32)))
+  shared = shared_act @ p["shared_down"].astype(dt_)
   out = (routed + shared).reshape(B, T, D)
   return out, {"stats": stats, "state": None}

@@ -30,9 +30,12 @@ QUANTIZABLE = DEFAULT_LEAVES + ("router", "lm_head")
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-  """`fmt`: "fp8" | "nvfp4"; `leaves`: names of the leaves to quantize."""
+  """`fmt`: "fp8" | "nvfp4"; `leaves`: names of the leaves to quantize; `fp8_leaves`: those of
+  them kept in FP8 under an "nvfp4" `fmt` (mixed precision, as NVIDIA ships Nemotron-H: NVFP4
+  experts, FP8 attention / Mamba projections)."""
   fmt: str = "nvfp4"
   leaves: tuple[str, ...] = DEFAULT_LEAVES
+  fp8_leaves: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.fmt not in FORMATS:
@@ -41,6 +44,24 @@ class QuantSpec:
     if bad:
       raise ValueError(f"quant leaves {bad} are not matmul weights; quantizable: any of "
                        f"{', '.join(QUANTIZABLE)}")
+    stray = sorted(set(self.fp8_leaves) - set(self.leaves))
+    if stray:
+      raise ValueError(f"quant fp8_leaves {stray} are not among the quantized leaves "
+                       f"{list(self.leaves)}")
+    # Leaves served as one fused matmul share a scale, so they need one format.
+    for group in sorted(set(SHARED_SCALE.values())):
+      members = sorted(k for k, g in SHARED_SCALE.items() if g == group and k in self.leaves)
+      if len({self.fmt_of(k) for k in members}) > 1:
+        raise ValueError(f"quant fp8_leaves: {members} are one fused matmul ({group}) at "
+                         "serving time; list all of them or none")
+
+  def fmt_of(self, leaf: str) -> str:
+    """The format of the leaf named `leaf`."""
+    return "fp8" if leaf in self.fp8_leaves else self.fmt
+
+  @property
+  def formats(self) -> tuple[str, ...]:
+    return tuple(sorted({self.fmt_of(k) for k in self.leaves}))
 
 
 def block_axis(names: tuple) -> int:
@@ -73,13 +94,11 @@ def plan(config: ModelConfig, spec: QuantSpec) -> dict:
 def check(config: ModelConfig, spec: QuantSpec) -> None:
   """Raises ValueError (one line naming the leaf, dim and sizes) where nvfp4 nesting breaks: a
   block dim, or a size one of its elastic choices gives it, that is not a multiple of 16."""
-  if spec.fmt != "nvfp4":
-    return
   shapes = param_shapes(config)
   where = plan(config, spec)
 
   def visit(kind, layer, path, leaf):
-    if (layer, path) not in where:
+    if (layer, path) not in where or spec.fmt_of(path[-1]) != "nvfp4":
       return leaf
     b = where[(layer, path)]
     sizes = {leaf.shape[b]}
@@ -105,8 +124,8 @@ SHARED_SCALE = {"in_z": "in_proj", "in_x": "in_proj", "in_B": "in_proj", "in_C":
 
 
 def _map_chosen(params, config: ModelConfig, spec: QuantSpec, fn):
-  """`params` (canonical or scanned) with fn(leaf, block axis, amax, stacked) at every leaf
-  `spec` chooses. `amax` is the global amax of the leaf's scale group (`SHARED_SCALE`; its own
+  """`params` (canonical or scanned) with fn(leaf, format, block axis, amax, stacked) at every
+  leaf `spec` chooses. `amax` is the global amax of the leaf's scale group (`SHARED_SCALE`; its own
   otherwise), per stacked layer ([L]) for a stacked leaf (leading "layers" axis)."""
   check(config, spec)
   scanned = is_scanned(params)
@@ -128,14 +147,15 @@ def _map_chosen(params, config: ModelConfig, spec: QuantSpec, fn):
       stacked = scanned and names[0] == "layers"
       group = (jax.tree_util.keystr(path[:-1]),
                SHARED_SCALE.get(path[-1].key, jax.tree_util.keystr(path)))
-      chosen.append((i, group, block_axis(names[1:] if stacked else names), stacked))
+      chosen.append((i, group, block_axis(names[1:] if stacked else names), stacked,
+                     spec.fmt_of(path[-1].key)))
   amax = {}
-  for i, group, _, stacked in chosen:
+  for i, group, _, stacked, _ in chosen:
     a = jnp.abs(out[i].astype(jnp.float32))
     a = jnp.max(a, axis=tuple(range(1, a.ndim))) if stacked else jnp.max(a)
     amax[group] = a if group not in amax else jnp.maximum(amax[group], a)
-  for i, group, b, stacked in chosen:
-    out[i] = fn(out[i], b, jax.lax.stop_gradient(amax[group]), stacked)
+  for i, group, b, stacked, fmt in chosen:
+    out[i] = fn(out[i], fmt, b, jax.lax.stop_gradient(amax[group]), stacked)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -145,7 +165,7 @@ def quantize_params(params, config: ModelConfig, spec: QuantSpec):
   if is_scanned(params):
     raise ValueError("quantize_params takes canonical params (model.to_canonical)")
   return _map_chosen(params, config, spec,
-                     lambda leaf, b, amax, _: quantize(leaf, spec.fmt, b, amax))
+                     lambda leaf, fmt, b, amax, _: quantize(leaf, fmt, b, amax))
 
 
 def dequantize_params(qparams, dtype=None):
@@ -159,10 +179,10 @@ def fake_quant_params(params, config: ModelConfig, spec: QuantSpec):
   gradient (quantization-aware training); equal to dequantize_params(quantize_params(...)).
   `params` may be canonical or scanned: a stacked leaf (leading "layers" axis) is quantized
   layer by layer, each with its own scales, as its canonical layers would be."""
-  def one(leaf, b, amax, stacked):
+  def one(leaf, fmt, b, amax, stacked):
     if stacked:
-      return jax.vmap(lambda w, a: formats.fake_quant(w, spec.fmt, b, a))(leaf, amax)
-    return formats.fake_quant(leaf, spec.fmt, b, amax)
+      return jax.vmap(lambda w, a: formats.fake_quant(w, fmt, b, a))(leaf, amax)
+    return formats.fake_quant(leaf, fmt, b, amax)
   return _map_chosen(params, config, spec, one)
 
 

@@ -101,7 +101,7 @@ def quant_spec(config) -> QuantSpec | None:
   if q.format not in FORMATS:
     raise ValueError(f"quant.format must be one of '', {', '.join(map(repr, FORMATS))}; got "
                      f"{q.format!r}")
-  spec = QuantSpec(q.format, tuple(q.leaves))
+  spec = QuantSpec(q.format, tuple(q.leaves), tuple(q.fp8_leaves))
   quant_tree.check(ModelConfig.from_dict(config.model.to_dict()), spec)
   return spec
 
@@ -178,6 +178,8 @@ class Run:
       # Every format a run has quantized to stays recorded; only a format made before must
       # keep its settings (a new one, or none, adds nothing to compare).
       made, asked = old_record.get("quant", {}), record.pop("quant", {})
+      # Formats made before fp8_leaves existed had none.
+      made = {f: {"fp8_leaves": [], **v} for f, v in made.items()}
       compared = dict(record)
       if made:
         compared["quant"] = {**made, **{f: v for f, v in asked.items() if f in made}}
@@ -403,8 +405,9 @@ def quantized_family(run: Run, cfg: ModelConfig, family: TrainedFamily,
   nested = checkpoint.load_metadata(os.path.join(run.workdir, "nested"))
   checkpoint.save(path, qparams, cfg, router=family.router, budget_counts=family.budget_counts,
                   tokenizer=run.tokenizer_path,
-                  extra={**nested.get("extra", {}), "quant": {**q.to_dict(),
-                                                              "leaves": list(q.leaves)}},
+                  extra={**nested.get("extra", {}),
+                         "quant": {**q.to_dict(), "leaves": list(q.leaves),
+                                   "fp8_leaves": list(q.fp8_leaves)}},
                   overwrite=True)
   how = f"QAD {q.qad_steps} steps" if q.qad_steps else "PTQ"
   print(f"quant: {spec.fmt} family ({how}) saved to {path}", flush=True)
