@@ -32,6 +32,9 @@ flags.DEFINE_bool("transplant", False, "elastic: the answer slice continues the 
                   "cache instead of re-prefilling prompt + trace (approximate)")
 flags.DEFINE_enum("kernels", None, list(KERNELS), "SSD scan and grouped-matmul kernels "
                   "(default: the checkpoint's; pallas runs interpreted on CPU)")
+flags.DEFINE_enum("matmul", "auto", ["auto", "dequant", "fp8"], "quantized checkpoints: "
+                  "dequantize weights in the step, or run the FP8 projections as FP8 matmuls "
+                  "(auto: fp8 on GPUs)")
 FLAGS = flags.FLAGS
 
 
@@ -44,7 +47,8 @@ def main(argv):
   from elastic_jax import rng
   from elastic_jax.inference import budget_control as bc
   from elastic_jax.inference.generate import Sampler
-  family = bc.load_family(FLAGS.checkpoint, mode=FLAGS.mode, kernels=FLAGS.kernels)
+  family = bc.load_family(FLAGS.checkpoint, mode=FLAGS.mode, kernels=FLAGS.kernels,
+                          matmul=FLAGS.matmul)
   think = family.get(FLAGS.think_budget)
   answer = family.get(FLAGS.answer_budget or FLAGS.think_budget)
   prompts = [bc.prompt_ids(family.tokenizer, q) for q in FLAGS.prompt]

@@ -114,6 +114,35 @@ def test_generate_batch_matches_naive(cfg, params):
   assert G.generate(slc, prompts, 2, max_len=MAX_LEN, chunk=CHUNK) == [r[:2] for r in ref]
 
 
+def test_decode_on_device_equals_the_per_token_loop(cfg, params):
+  """Under a stop rule, blocks of steps on device give what the host deciding every token
+  gives: tokens, cache, pending token, logits and live rows, with sampling, a row stopping in
+  the first block, a masked budget and a run across a block boundary."""
+  slc = G.parent_at_budget(params, cfg, SMALL, "small")
+  prompts = [[5, 6, 7], [8, 9], [10]]
+  sampler = G.Sampler(temperature=1.5)
+  key = jax.random.PRNGKey(3)
+  rule = G.stop_rule([])
+  n = MAX_LEN - CHUNK - 2
+  assert n > G.DECODE_BLOCK
+  free, _ = G.decode(slc, G.prefill(slc, prompts, max_len=MAX_LEN, chunk=CHUNK), n,
+                     choose=rule, sampler=sampler, key=key)
+  stop = free[1][3]   # row 1 stops at its 4th token; the others at theirs, if ever
+  runs = {}
+  for how, choose in (("device", G.stop_rule([stop])),
+                      ("host", lambda i, t, o, r=G.stop_rule([stop]): r(i, t, o))):
+    state = G.prefill(slc, prompts, max_len=MAX_LEN, chunk=CHUNK)
+    runs[how] = G.decode(slc, state, n, choose=choose, sampler=sampler, key=key)
+  (dev, s_dev), (host, s_host) = runs["device"], runs["host"]
+  assert dev == host and len(dev[1]) == 4 and dev[1][-1] == stop
+  assert max(len(r) for r in dev) > G.DECODE_BLOCK, [len(r) for r in dev]
+  np.testing.assert_array_equal(s_dev.active, s_host.active)
+  np.testing.assert_array_equal(s_dev.pending, s_host.pending)
+  np.testing.assert_allclose(s_dev.logits, s_host.logits, rtol=1e-6, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+               s_dev.cache, s_host.cache)
+
+
 def test_sample_statistics():
   logits = jnp.asarray([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
   rows = jnp.broadcast_to(logits, (20000, 6))

@@ -12,9 +12,9 @@ from elastic_jax import init
 from elastic_jax.elastic.axes import AXES
 from elastic_jax.elastic.slicing import slice_params
 from elastic_jax.quant import formats
-from elastic_jax.quant.qtensor import QTensor, quantize
-from elastic_jax.quant.tree import (DEFAULT_LEAVES, QuantSpec, block_axis, check,
-                                    dequantize_params, fake_quant_params, plan, quantize_params)
+from elastic_jax.quant.qtensor import QTensor, is_qtensor, quantize
+from elastic_jax.quant.tree import (QuantSpec, block_axis, check, dequantize_params,
+                                    fake_quant_params, mixed_spec, plan, quantize_params)
 
 # The tiny config, every axis elastic, every nvfp4 block dim and choice a multiple of 16.
 QCFG = MODEL.replace(hidden_size=64, hidden_choices=(64, 48, 32), moe_intermediate_size=48,
@@ -24,7 +24,7 @@ QCFG = MODEL.replace(hidden_size=64, hidden_choices=(64, 48, 32), moe_intermedia
 
 
 # Mixed precision as NVIDIA ships Nemotron-H: routed experts NVFP4, every other Linear FP8.
-MIXED = QuantSpec("nvfp4", fp8_leaves=tuple(k for k in DEFAULT_LEAVES if k not in ("up", "down")))
+MIXED = mixed_spec()
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +254,57 @@ def test_generation_runs_from_the_packed_weights(qparams_f32):
   a = generate(SubModel(q, cfg), prompts, 6, chunk=8)
   b = generate(SubModel(dequantize_params(q), cfg), prompts, 6, chunk=8)
   assert a == b and len(a) == 2 and all(len(r) == 6 for r in a)
+
+
+def test_fp8_einsum_is_an_fp8_matmul():
+  """x quantized per row (amax over its contracted dims / 448) and the FP8 weight codes enter
+  the dot as float8_e4m3fn with f32 accumulation, rescaled after: equal to the same steps in
+  numpy + ml_dtypes, within FP8's error of the float product."""
+  rs = np.random.RandomState(3)
+  e4m3 = lambda a: a.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  for spec, xs, ws, red in (("btd,dhk->bthk", (2, 3, 32), (32, 4, 8), (2,)),
+                            ("btghp,ghpd->btd", (2, 3, 2, 2, 8), (2, 2, 8, 16), (2, 3, 4)),
+                            ("td,df->tf", (5, 32), (32, 24), (1,))):
+    x = rs.randn(*xs).astype(np.float32) * np.exp(rs.randn(*xs[:2], *[1] * (len(xs) - 2)))
+    w = rs.randn(*ws).astype(np.float32)
+    codes, w_scale = formats.fp8_quantize(jnp.asarray(w))
+    got = np.asarray(formats.fp8_einsum(spec, jnp.asarray(x), codes, w_scale))
+    s = np.abs(x).max(axis=red, keepdims=True) / 448
+    want = np.einsum(spec, e4m3(x / s), np.asarray(codes).astype(np.float32))
+    kept = "".join(c for c in spec.split(",")[0] if c in spec.split("->")[1])
+    want = want * np.einsum(f"{kept}->{kept}", s.squeeze(red)).reshape(
+        got.shape[:len(kept)] + (1,) * (got.ndim - len(kept))) * np.float32(w_scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = np.einsum(spec, x, w)
+    assert np.abs(got - exact).max() < 0.1 * np.abs(exact).max(), spec
+  with pytest.raises(ValueError, match="explicit subscripts"):
+    formats.fp8_einsum("...d,dv->...v", jnp.ones((2, 4)), codes, w_scale)
+
+
+def test_generation_with_fp8_matmuls(qparams_f32):
+  """matmul="fp8": the FP8 projections (attention, Mamba, shared experts) stay packed and run
+  as FP8 dots (float8_e4m3fn operands in the program lowered for a GPU), the NVFP4 experts are
+  dequantized; the logits stay near the dequantized model's (FP8 activations)."""
+  from elastic_jax.inference import generate as G
+  from elastic_jax.model.linear import FP8_MATMUL_LEAVES
+  from elastic_jax.model.model import apply
+  q = quantize_params(qparams_f32, QCFG, MIXED)
+  kept = G.step_weights(q, "fp8")
+  packed = [p for p, x in jax.tree_util.tree_flatten_with_path(kept, is_leaf=is_qtensor)[0]
+            if is_qtensor(x)]
+  assert packed and all(p[-1].key in FP8_MATMUL_LEAVES for p in packed)
+  assert not any(is_qtensor(x) for x in jax.tree.leaves(G.step_weights(q, "dequant"),
+                                                        is_leaf=is_qtensor))
+  prompts = [[1, 2, 3, 4, 5], [7, 8]]
+  fp8, deq = (G.prefill(G.SubModel(q, QCFG, matmul=m), prompts, max_len=16, chunk=8).logits
+              for m in ("fp8", "dequant"))
+  # E4M3 rounds each activation by up to 2^-4 relative, through 8 layers of a random model.
+  assert 0 < float(jnp.abs(fp8 - deq).max()) < 0.15 * float(jnp.abs(deq).max())
+  tokens = jnp.asarray([prompts[0]])
+  for m, n in (("fp8", len(packed)), ("dequant", 0)):
+    hlo = jax.jit(lambda p, t: apply(G.step_weights(p, m), t, config=QCFG)).trace(
+        q, tokens).lower(lowering_platforms=("cuda",)).as_text()
+    dots = [l for l in hlo.splitlines() if "stablehlo.dot_general" in l and "f8E4M3FN" in l]
+    assert len(dots) == n, (m, len(dots))
+  with pytest.raises(ValueError, match="matmul must be one of auto, dequant, fp8"):
+    G.SubModel(q, QCFG, matmul="int8")

@@ -23,8 +23,9 @@ from elastic_jax.elastic import deploy
 from elastic_jax.io import checkpoint
 from elastic_jax.inference import generate as gen
 from elastic_jax.config import ModelConfig
-from elastic_jax.inference.generate import (Sampler, SubModel, decode, feed, parent_at_budget,
-                                            prefill, round_up, standalone, stop_rule)
+from elastic_jax.inference.generate import (MATMULS, Sampler, SubModel, decode, feed,
+                                            parent_at_budget, prefill, round_up, standalone,
+                                            stop_rule)
 
 MODES = ("sliced", "masked")
 
@@ -68,6 +69,7 @@ class Family:
   mode: str = "sliced"
   moe_impl: str = "auto"
   invalid: Mapping[str, str] = dataclasses.field(default_factory=dict)  # budget -> why refused
+  matmul: str = "auto"   # quantized weights: SubModel.matmul
   _slices: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def __post_init__(self):
@@ -88,7 +90,8 @@ class Family:
     if budget not in self._slices:
       counts = self.budget_counts.get(budget)
       make = standalone if self.mode == "sliced" else parent_at_budget
-      self._slices[budget] = make(self.params, self.config, counts, budget, self.moe_impl)
+      self._slices[budget] = make(self.params, self.config, counts, budget, self.moe_impl,
+                                  self.matmul)
     return self._slices[budget]
 
 
@@ -100,13 +103,16 @@ def _tokenizer_path(path: str) -> str:
 
 
 def load_family(path: str, mode: str = "sliced", moe_impl: str = "auto",
-                kernels: str | None = None) -> Family:
+                kernels: str | None = None, matmul: str = "auto") -> Family:
   """Loads the full parent of a nested checkpoint once, with its budget table and tokenizer;
   slices are cut in memory on demand, so switching budget never reloads weights. `kernels`
-  ("xla" | "pallas", `ModelConfig.kernels`) overrides the checkpoint's choice."""
+  ("xla" | "pallas", `ModelConfig.kernels`) overrides the checkpoint's choice; `matmul`: how
+  a quantized checkpoint's weights compute (`SubModel.matmul`)."""
   from elastic_jax.training.data import load_tokenizer
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; allowed: {list(MODES)}")
+  if matmul not in MATMULS:
+    raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
   meta = checkpoint.load_metadata(path)
   tok = load_tokenizer(_tokenizer_path(path))
   special_ids(tok)  # fail early if the tokenizer lacks <eos> or </think>
@@ -121,7 +127,7 @@ def load_family(path: str, mode: str = "sliced", moe_impl: str = "auto",
       why = deploy.violation(cfg, rc, counts, name)
       if why:
         invalid[name] = f"{path}: {why}"
-  return Family(params, cfg, table, tok, mode, moe_impl, invalid)
+  return Family(params, cfg, table, tok, mode, moe_impl, invalid, matmul)
 
 
 @dataclasses.dataclass

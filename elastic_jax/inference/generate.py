@@ -2,7 +2,8 @@
 batched prompts of different lengths, greedy / temperature / top-p sampling, stop tokens, any
 budget, and cache transplant between budgets. A quantized family (`quant.tree.quantize_params`,
 or restored from a quantized checkpoint) generates as is: the packed weights are dequantized
-inside the compiled step.
+inside the compiled step, or (`SubModel.matmul`, on by default on GPUs) the FP8 projections
+run FP8 matmuls.
 
 A `SubModel` is what generates: a standalone sliced sub-model (small shapes, its own config) or the
 parent at a budget (parent params + `BudgetMasks`; one compiled step serves every budget, so
@@ -10,8 +11,9 @@ switching budget mid-generation is passing other masks). Prompts are left-padded
 the prefill chunk; padded columns are invisible (the model has no positional encoding and the
 Mamba states skip padding, so this is exact). Every step has a static shape: prefill runs fixed
 chunks of `chunk` tokens, decode one token, both into a cache of fixed `max_len`, so one program
-per (slice, batch, max_len) serves every prompt length. The host loop syncs once per token: stop
-rules and streaming need the token anyway.
+per (slice, batch, max_len) serves every prompt length. Decoding under stop tokens alone runs
+up to `DECODE_BLOCK` steps on device per host sync; a per-token rule (`choose`) or streaming
+(`on_token`) has the host decide every token.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from elastic_jax.elastic.masks import BudgetMasks, from_counts
 from elastic_jax.model.model import apply_cached, init_cache
 from elastic_jax.elastic.slicing import slice_params
 from elastic_jax.parallel import sharding as shd
-from elastic_jax.quant.tree import dequantize_params
+from elastic_jax.model.linear import FP8_MATMUL_LEAVES
+from elastic_jax.quant.qtensor import is_qtensor
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,19 +49,50 @@ class SubModel:
   masks: BudgetMasks | None = None
   name: str = "full"
   moe_impl: str = "auto"
+  # Quantized weights: "dequant" (to the compute dtype inside the step), "fp8" (FP8 weights of
+  # the attention / Mamba / shared-expert projections run FP8 matmuls: `model.linear`), or
+  # "auto": fp8 on GPUs (whose XLA lowers FP8 dots to FP8 GEMMs), dequant elsewhere.
+  matmul: str = "auto"
+
+  def __post_init__(self):
+    if self.matmul not in MATMULS:
+      raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {self.matmul!r}")
+
+
+MATMULS = ("auto", "dequant", "fp8")
+
+
+def resolve_matmul(matmul: str) -> str:
+  """"auto" -> "fp8" on a GPU backend, else "dequant"; other values as they are."""
+  if matmul == "auto":
+    return "fp8" if jax.default_backend() == "gpu" else "dequant"
+  return matmul
+
+
+def step_weights(params, matmul: str):
+  """The params a step computes with: QTensor leaves dequantized, except (`matmul` "fp8") FP8
+  weights of the projections that run FP8 matmuls (`model.linear.FP8_MATMUL_LEAVES`)."""
+  def one(path, x):
+    if not is_qtensor(x):
+      return x
+    if matmul == "fp8" and x.fmt == "fp8" and path[-1].key in FP8_MATMUL_LEAVES:
+      return x
+    return x.dequantize()
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_qtensor)
 
 
 def parent_at_budget(params, config: ModelConfig, counts: Mapping[str, Any] | None,
-                     name: str = "budget", moe_impl: str = "auto") -> SubModel:
+                     name: str = "budget", moe_impl: str = "auto",
+                     matmul: str = "auto") -> SubModel:
   """The parent restricted to per-axis `counts` by masks (no copy of the weights)."""
-  return SubModel(params, config, from_counts(config, counts), name, moe_impl)
+  return SubModel(params, config, from_counts(config, counts), name, moe_impl, matmul)
 
 
 def standalone(params, config: ModelConfig, counts: Mapping[str, Any] | None, name: str = "budget",
-               moe_impl: str = "auto") -> SubModel:
+               moe_impl: str = "auto", matmul: str = "auto") -> SubModel:
   """A standalone sub-model: every tensor prefix-sliced to `counts` (small shapes)."""
   small, small_cfg = slice_params(params, config, counts)
-  return SubModel(small, small_cfg, None, name, moe_impl)
+  return SubModel(small, small_cfg, None, name, moe_impl, matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +127,16 @@ def sample(logits_BV, key, temperature, top_p):
                       lambda logits: jnp.argmax(logits, -1).astype(jnp.int32), logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "moe_impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "moe_impl", "matmul"),
+                   donate_argnames=("cache",))
 def _step(params, tokens_BT, valid_BT, cache, masks, key, temperature, top_p, *, config,
-          moe_impl):
+          moe_impl, matmul="dequant"):
   # The sampling key of this step is `key` folded with the cache's position (on device: a
   # host-side fold_in would cost a dispatch per token).
   key = jax.random.fold_in(key, cache["pos"])
-  # Quantized params (QTensor leaves) stay packed in memory; the step dequantizes them.
-  logits, cache = apply_cached(dequantize_params(params), tokens_BT, cache, masks,
+  # Quantized params (QTensor leaves) stay packed in memory; the step dequantizes them, or
+  # runs FP8 matmuls on them.
+  logits, cache = apply_cached(step_weights(params, matmul), tokens_BT, cache, masks,
                                config=config, valid_BT=valid_BT, moe_impl=moe_impl,
                                last_only=True)
   return cache, logits[:, -1], sample(logits[:, -1], key, temperature, top_p)
@@ -186,7 +222,7 @@ def extend(slc: SubModel, state: DecodeState, tokens_BT, valid_BT=None, *,
     toks, valid = tokens_BT[:, s:s + chunk], valid_BT[:, s:s + chunk]
     cache, new_logits, nxt = _step(slc.params, toks, valid, cache, slc.masks, key,
                                    sampler.temperature, sampler.top_p, config=slc.config,
-                                   moe_impl=slc.moe_impl)
+                                   moe_impl=slc.moe_impl, matmul=resolve_matmul(slc.matmul))
     fed = valid.any(1)
     pending = np.where(fed, np.asarray(nxt), pending)
     # Every row fed (a decode step of live rows): no select to dispatch.
@@ -241,10 +277,92 @@ def feed(slc: SubModel, state: DecodeState, tokens_B, *, sampler: Sampler = Samp
 Choose = Callable[[int, int, list], "int | None"]
 
 
-def stop_rule(stop_tokens: Sequence[int] = ()) -> Choose:
+@dataclasses.dataclass(frozen=True)
+class StopRule:
+  """Emit what is sampled; a row stops after emitting one of `stop_tokens`. (A `Choose` the
+  decode loop also runs on device, several tokens per dispatch.)"""
+  stop_tokens: tuple[int, ...] = ()
+
+  def __call__(self, i: int, tok: int, out: list) -> int | None:
+    return None if out and out[-1] in self.stop_tokens else tok
+
+
+def stop_rule(stop_tokens: Sequence[int] = ()) -> StopRule:
   """Emit what is sampled; a row stops after emitting one of `stop_tokens`."""
-  stops = set(int(t) for t in stop_tokens)
-  return lambda i, tok, out: None if out and out[-1] in stops else tok
+  return StopRule(tuple(sorted({int(t) for t in stop_tokens})))
+
+
+# Decode steps per dispatch of the on-device loop (`_decode_block`): the host syncs once per
+# block instead of once per token; the loop ends early once every row has stopped.
+DECODE_BLOCK = 16
+
+
+@functools.partial(jax.jit, static_argnames=("config", "moe_impl", "matmul"),
+                   donate_argnames=("cache",))
+def _decode_block(params, pending_B, active_B, logits_BV, cache, masks, key, temperature, top_p,
+                  stops, n_steps, *, config, moe_impl, matmul="dequant"):
+  """Up to `n_steps` (<= DECODE_BLOCK, traced) decode steps on device under a stop rule: each
+  live row emits its pending token and feeds it (`_step`'s computation, key folded with the
+  position likewise), and stops after emitting one of `stops`. Returns (cache, pending,
+  logits, active, tokens [DECODE_BLOCK, B], emitted [DECODE_BLOCK, B] bool)."""
+  weights = step_weights(params, matmul)
+  B = pending_B.shape[0]
+
+  def cond(c):
+    k, _, _, active, _, _, _ = c
+    return (k < n_steps) & jnp.any(active)
+
+  def body(c):
+    k, pending, logits, active, cache, toks, emitted = c
+    step_key = jax.random.fold_in(key, cache["pos"])
+    # A stopped row feeds token 0 as `feed` does (its cache column is never valid).
+    fed = jnp.where(active, pending, 0)
+    new_logits, cache = apply_cached(weights, fed[:, None], cache, masks, config=config,
+                                     valid_BT=active[:, None], moe_impl=moe_impl,
+                                     last_only=True)
+    new_logits = new_logits[:, -1]
+    nxt = sample(new_logits, step_key, temperature, top_p)
+    toks = toks.at[k].set(pending)
+    emitted = emitted.at[k].set(active)
+    stopped = jnp.any(pending[:, None] == stops[None, :], axis=-1)
+    return (k + 1, jnp.where(active, nxt, pending),
+            jnp.where(active[:, None], new_logits, logits), active & ~stopped, cache, toks,
+            emitted)
+
+  init = (jnp.int32(0), pending_B, logits_BV, active_B, cache,
+          jnp.zeros((DECODE_BLOCK, B), jnp.int32), jnp.zeros((DECODE_BLOCK, B), bool))
+  _, pending, logits, active, cache, toks, emitted = jax.lax.while_loop(cond, body, init)
+  return cache, pending, logits, active, toks, emitted
+
+
+def _decode_on_device(slc: SubModel, state: DecodeState, max_new_tokens: int, rule: StopRule,
+                      sampler: Sampler, key):
+  """`decode` under a stop rule with no per-token callback: blocks of steps on device (the
+  same tokens, cache and state as the per-token loop)."""
+  B = len(state.pending)
+  out = [[] for _ in range(B)]
+  stops = jnp.asarray(rule.stop_tokens or (-1,), jnp.int32)
+  cache, pending, logits = state.cache, jnp.asarray(state.pending), state.logits
+  active, done = jnp.asarray(state.active), 0
+  live = bool(state.active.any())
+  while done < max_new_tokens and live:
+    room = state.max_len - int(cache["pos"])
+    if room < 1:
+      raise ValueError(f"cache overflow: {int(cache['pos'])} + 1 tokens > max_len "
+                       f"{state.max_len}")
+    n = min(DECODE_BLOCK, max_new_tokens - done, room)
+    cache, pending, logits, active, toks, emitted = _decode_block(
+        slc.params, pending, active, logits, cache, slc.masks, key, sampler.temperature,
+        sampler.top_p, stops, n, config=slc.config, moe_impl=slc.moe_impl,
+        matmul=resolve_matmul(slc.matmul))
+    toks, emitted = np.asarray(toks), np.asarray(emitted)
+    for i in range(B):
+      out[i].extend(int(t) for t in toks[emitted[:, i], i])
+    done += n
+    live = bool(np.asarray(active).any())
+  final = dataclasses.replace(state, cache=cache, pending=np.asarray(pending), logits=logits,
+                              active=np.asarray(active))
+  return out, final
 
 
 def decode(slc: SubModel, state: DecodeState, max_new_tokens: int, *, choose: Choose | None = None,
@@ -255,11 +373,15 @@ def decode(slc: SubModel, state: DecodeState, max_new_tokens: int, *, choose: Ch
   `choose` decides per row and step what is emitted (forcing a token, stopping; default: emit
   the sample); an emitted token is fed to the model, so the final cache holds every emitted
   token and `pending` is the sample after the last one. A stopped row's cache stays exactly as
-  after its last token; the returned state marks it inactive."""
+  after its last token; the returned state marks it inactive. Under a `stop_rule` with no
+  `on_token` the steps run on device, `DECODE_BLOCK` per host sync (the same tokens and
+  state); otherwise the host decides every token."""
   if max_new_tokens < 0:
     raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
   choose = choose or stop_rule()
   key = jax.random.PRNGKey(0) if key is None else key
+  if isinstance(choose, StopRule) and on_token is None and state.logits is not None:
+    return _decode_on_device(slc, state, max_new_tokens, choose, sampler, key)
   B = len(state.pending)
   out = [[] for _ in range(B)]
   active = state.active.copy()

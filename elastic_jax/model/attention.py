@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
+from elastic_jax.model import linear
 from elastic_jax.model.norms import channel_score
 
 
@@ -101,10 +102,10 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
   B, T, _ = x_BTD.shape
   Hkv, rep = c.num_kv_heads, c.num_attention_heads // c.num_kv_heads
   # Stored [rep, Hkv] (KV-group-minor); the attention core wants [Hkv, rep].
-  q = jnp.einsum("btd,dhk->bthk", x_BTD, p["q"].astype(dt_)).reshape(B, T, rep, Hkv, c.head_dim)
+  q = linear.einsum("btd,dhk->bthk", x_BTD, p["q"], dt_).reshape(B, T, rep, Hkv, c.head_dim)
   q = jnp.swapaxes(q, 2, 3)
-  k = jnp.einsum("btd,dhk->bthk", x_BTD, p["k"].astype(dt_))
-  v = jnp.einsum("btd,dhk->bthk", x_BTD, p["v"].astype(dt_))
+  k = linear.einsum("btd,dhk->bthk", x_BTD, p["k"], dt_)
+  v = linear.einsum("btd,dhk->bthk", x_BTD, p["v"], dt_)
   if state is None and c.attention_impl == "dot_product":
     out = jax.nn.dot_product_attention(q.reshape(B, T, Hkv * rep, c.head_dim), k, v,
                                        is_causal=True)
@@ -127,5 +128,5 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
     out = out * head_mask_H.astype(out.dtype)[:, None]
   if collect:
     stats["amax"] = {"o": jnp.max(jnp.abs(out.astype(jnp.float32)))}
-  out = jnp.einsum("bthk,hkd->btd", out, p["o"].astype(dt_))
+  out = linear.einsum("bthk,hkd->btd", out, p["o"], dt_)
   return out, {"stats": stats, "state": state}

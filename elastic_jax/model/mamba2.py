@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
+from elastic_jax.model import linear
 from elastic_jax.model.norms import channel_score, gated_group_rms_norm
 from elastic_jax.model.ssd import ssd_chunked, ssd_sequential
 from pallas_kernels import ssd as ssd_kernel
@@ -117,7 +118,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   """
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
-  proj = lambda w, spec: jnp.einsum(spec, x_BTD, w.astype(dt_))
+  proj = lambda w, spec: linear.einsum(spec, x_BTD, w, dt_)
   z = proj(p["in_z"], "btd,dghp->btghp")
   xs = proj(p["in_x"], "btd,dghp->btghp")
   Bm = proj(p["in_B"], "btd,dgn->btgn")
@@ -166,7 +167,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   y = gated_group_rms_norm(y, z, p["norm"], c.norm_eps, mask).astype(dt_)
   if collect:
     stats["amax"] = {"out_proj": jnp.max(jnp.abs(y.astype(jnp.float32)))}
-  out = jnp.einsum("btghp,ghpd->btd", y, p["out_proj"].astype(dt_))
+  out = linear.einsum("btghp,ghpd->btd", y, p["out_proj"], dt_)
   return out, {"stats": stats, "state": None if state is None else new_state}
 
 

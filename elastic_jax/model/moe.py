@@ -23,6 +23,7 @@ import numpy as np
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import expert_placement
 from elastic_jax.model import initializers as init
+from elastic_jax.model import linear
 from elastic_jax.model import moe_parallel
 from pallas_kernels import gmm as gmm_lib
 
@@ -199,9 +200,9 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     inv = np.argsort(perm)
     stats = jax.tree_util.tree_map_with_path(
         lambda path, v: v if path[-1].key == "ffn" else v[inv], stats)
-  shared_act = relu2(x_TD @ p["shared_up"].astype(dt_))
+  shared_act = relu2(linear.einsum("td,df->tf", x_TD, p["shared_up"], dt_))
   if stats is not None:
     stats["amax"]["shared_down"] = jnp.max(jnp.abs(shared_act.astype(jnp.float32)))
-  shared = shared_act @ p["shared_down"].astype(dt_)
+  shared = linear.einsum("tf,fd->td", shared_act, p["shared_down"], dt_)
   out = (routed + shared).reshape(B, T, D)
   return out, {"stats": stats, "state": None}

@@ -36,6 +36,31 @@ def fp8_dequantize(codes, scale, dtype=jnp.float32):
   return (codes.astype(jnp.float32) * scale).astype(dtype)
 
 
+def fp8_einsum(spec: str, x, codes, w_scale):
+  """`jnp.einsum(spec, x, w)` in f32 for the FP8 weight w = codes * w_scale, as an FP8 matmul:
+  x is quantized too, one E4M3 scale per row (amax over its contracted dims / 448, computed on
+  the fly), both operands enter the dot as float8_e4m3fn with f32 accumulation
+  (`preferred_element_type`), and the product is rescaled by x's row scale times w_scale. The
+  backend runs it natively where it has FP8 matmuls (Hopper / Ada GPUs); elsewhere XLA
+  converts. `spec`: explicit subscripts, no ellipsis."""
+  ins, out = spec.replace(" ", "").split("->")
+  xs, _ = ins.split(",")
+  if "." in spec or len(xs) != x.ndim:
+    raise ValueError(f"fp8_einsum takes explicit subscripts for x of rank {x.ndim}, got {spec!r}")
+  x32 = x.astype(jnp.float32)
+  contracted = tuple(i for i, c in enumerate(xs) if c not in out)
+  amax = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True)
+  scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  xq = jnp.clip(x32 / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  y = jnp.einsum(spec, xq, codes, preferred_element_type=jnp.float32)
+  # The row scale, laid out along `out` (size 1 on the weight's own dims).
+  kept = "".join(c for c in xs if c in out)
+  order = "".join(c for c in out if c in kept)
+  s = jnp.einsum(f"{kept}->{order}", jnp.squeeze(scale, contracted))
+  s = s.reshape([s.shape[order.index(c)] if c in order else 1 for c in out])
+  return y * (s * w_scale)
+
+
 def e2m1_encode(y):
   """4-bit E2M1 codes (uint8 0..15) of f32 `y`: round to nearest, ties to the even code, |y|
   saturating at 6. The grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6, so each range

@@ -64,6 +64,13 @@ class QuantSpec:
     return tuple(sorted({self.fmt_of(k) for k in self.leaves}))
 
 
+def mixed_spec(leaves: tuple[str, ...] = DEFAULT_LEAVES) -> QuantSpec:
+  """NVIDIA's mixed recipe for Nemotron-H: the routed experts ("up", "down") in NVFP4, every
+  other chosen leaf (attention, Mamba, shared-expert projections) in FP8."""
+  return QuantSpec("nvfp4", tuple(leaves),
+                   tuple(k for k in leaves if k not in ("up", "down")))
+
+
 def block_axis(names: tuple) -> int:
   """The innermost contracted dim of a weight with logical axis `names` (see module doc)."""
   names = tuple(names)
@@ -187,4 +194,4 @@ def fake_quant_params(params, config: ModelConfig, spec: QuantSpec):
 
 
 __all__ = ["DEFAULT_LEAVES", "SHARED_SCALE", "QTensor", "QuantSpec", "block_axis", "check",
-           "dequantize_params", "fake_quant_params", "plan", "quantize_params"]
+           "dequantize_params", "fake_quant_params", "mixed_spec", "plan", "quantize_params"]
