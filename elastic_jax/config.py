@@ -16,6 +16,7 @@ REMAT = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("blocked", "dot_product")
 KERNELS = ("xla", "pallas")
 EXPERT_PLACEMENTS = ("contiguous", "balanced")
+EP_DISPATCHES = ("auto", "ragged", "gather")
 # Elastic axis name -> (field listing its choices, field holding its full size).
 CHOICE_FIELDS = {"hidden": ("hidden_choices", "hidden_size"),
                  "mamba_heads": ("mamba_head_choices", "mamba_num_heads"),
@@ -117,6 +118,12 @@ class ModelConfig:
   # budget's expert prefix spread evenly over the shards of an expert-parallel mesh; training
   # permutes into it and back, the model permutes the expert masks to match).
   expert_placement: str = "contiguous"
+  # Expert-parallel dispatch when tokens are split over the `expert` axis too (MoE "ep"):
+  # "ragged" (each assignment sent to its expert's shard and back with
+  # `jax.lax.ragged_all_to_all`; emulated with all_gather on CPU, which cannot compile it),
+  # "gather" (all_gather the tokens, psum_scatter the outputs: portable), or "auto" (ragged on
+  # GPU / TPU, gather on CPU).
+  ep_dispatch: str = "auto"
   # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -303,6 +310,8 @@ class ModelConfig:
       err("kernels", f"{self.kernels!r} not in {KERNELS}")
     if self.expert_placement not in EXPERT_PLACEMENTS:
       err("expert_placement", f"{self.expert_placement!r} not in {EXPERT_PLACEMENTS}")
+    if self.ep_dispatch not in EP_DISPATCHES:
+      err("ep_dispatch", f"{self.ep_dispatch!r} not in {EP_DISPATCHES}")
     if not isinstance(self.scan_layers, bool):
       err("scan_layers", f"must be a bool, got {self.scan_layers!r}")
     self._validate_choices(err)

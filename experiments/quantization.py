@@ -2,12 +2,13 @@
 12B-like NVFP4 slice fits a 16 GB GPU.
 
 1. Quality on the tiny family: per budget, bf16 (the trained weights rounded to bf16), FP8 PTQ,
-   NVFP4 PTQ and NVFP4 QAD (the main job's `--config.quant.format=nvfp4`): validation loss,
-   answer accuracy, and recovery vs bf16 (accuracy ratio; loss difference).
+   mixed PTQ (NVIDIA's Nemotron-H recipe: routed experts NVFP4, other projections FP8), NVFP4
+   PTQ and NVFP4 QAD (the main job's `--config.quant.format=nvfp4`): validation loss, answer
+   accuracy, and recovery vs bf16 (accuracy ratio; loss difference).
 2. Checkpoint bytes of the family per format, one nested checkpoint vs three separate ones:
    exact for nano_v3 (every leaf's stored bytes, codes and scales included, from shapes alone),
    and measured on disk for a saved scaled family.
-3. The 12B NVFP4 slice of nano_v3 (the counts a router fitted to the budgets' targets deploys;
+3. The 12B slice of nano_v3, NVFP4 and mixed, (the counts a router fitted to the budgets' targets deploys;
    `--quick`: every axis at its last choice) on a 16 GB GPU: its exact weight bytes plus the KV cache
    and Mamba states of one sequence at each stated context (activations and workspace not
    counted).
@@ -39,27 +40,32 @@ flags.DEFINE_multi_integer("context", [8192, 32768, 131072], "contexts for the 1
 flags.DEFINE_float("device_gb", 16.0, "the consumer GPU's memory, GB (1e9 bytes)")
 FLAGS = flags.FLAGS
 
-FORMATS = ("bf16", "fp8 PTQ", "nvfp4 PTQ", "nvfp4 QAD")
+FORMATS = ("bf16", "fp8 PTQ", "mixed PTQ", "nvfp4 PTQ", "nvfp4 QAD")
+# "mixed": NVIDIA's Nemotron-H recipe, routed experts NVFP4 and every other projection FP8.
+BYTE_FORMATS = ("bf16", "fp8", "mixed", "nvfp4")
 
 
 def nesting_spec(config, fmt: str):
-  """QuantSpec of `fmt` over the default leaves whose dims and choices let it nest (nvfp4: a
-  leaf whose block dim is not a multiple of 16 stays in bf16)."""
-  from elastic_jax.quant.tree import DEFAULT_LEAVES, QuantSpec, check
+  """QuantSpec of `fmt` ("fp8" | "nvfp4" | "mixed") over the default leaves whose dims and
+  choices let it nest (nvfp4: a leaf whose block dim is not a multiple of 16 stays in bf16)."""
+  from elastic_jax.quant.tree import DEFAULT_LEAVES, QuantSpec, check, mixed_spec
+
+  def spec(leaves):
+    return mixed_spec(tuple(leaves)) if fmt == "mixed" else QuantSpec(fmt, tuple(leaves))
 
   def nests(leaves):
     try:
-      check(config, QuantSpec(fmt, tuple(leaves)))
+      check(config, spec(leaves))
       return True
     except ValueError:
       return False
   if nests(DEFAULT_LEAVES):   # one check where every leaf nests (nano_v3)
-    return QuantSpec(fmt, DEFAULT_LEAVES)
-  return QuantSpec(fmt, tuple(l for l in DEFAULT_LEAVES if nests((l,))))
+    return spec(DEFAULT_LEAVES)
+  return spec(l for l in DEFAULT_LEAVES if nests((l,)))
 
 
 def tree_bytes(config, fmt: str) -> int:
-  """Stored bytes of a model of `config` in `fmt` ("bf16" | "fp8" | "nvfp4"): quantized leaves
+  """Stored bytes of a model of `config` in `fmt` (`BYTE_FORMATS`): quantized leaves
   as codes + block scales + global scale, the rest in bf16; from shapes alone."""
   import jax
   import numpy as np
@@ -116,6 +122,7 @@ def main(argv):
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), family.params)
   families = {"bf16": bf16,
               "fp8 PTQ": quantize_params(family.params, cfg, QuantSpec("fp8")),
+              "mixed PTQ": quantize_params(family.params, cfg, nesting_spec(cfg, "mixed")),
               "nvfp4 PTQ": quantize_params(family.params, cfg, QuantSpec("nvfp4")),
               "nvfp4 QAD": pipeline.quantized_family(run, cfg, family, td)}
   rows = []
@@ -135,7 +142,7 @@ def main(argv):
     router = router_lib.fit_to_budgets(nano_cfg, rc)   # as `elastic_jax.plan` picks counts
     nano_counts = {n: deploy.deployed_counts(router, nano_cfg, rc, n)
                    for n in nano_cfg.budget_names}
-  exact = {f: family_bytes(nano_cfg, nano_counts, f) for f in ("bf16", "fp8", "nvfp4")}
+  exact = {f: family_bytes(nano_cfg, nano_counts, f) for f in BYTE_FORMATS}
   # Measured: a scaled family saved in each format.
   scfg = scaled_config(FLAGS.quick)
   scounts = paper_like_budgets(scfg)
@@ -143,27 +150,29 @@ def main(argv):
   sparams = random_params(scfg)
   measured = {}
   with tempfile.TemporaryDirectory() as tmp:
-    for f in ("bf16", "fp8", "nvfp4"):
+    for f in BYTE_FORMATS:
       p = sparams if f == "bf16" else quantize_params(sparams, scfg, nesting_spec(scfg, f))
       path = checkpoint.save(os.path.join(tmp, f), p, scfg)
       measured[f] = (_disk(os.path.join(path, "state")), tree_bytes(scfg, f))
   sizes = _bytes_table(exact, nano_counts, measured, scfg)
 
-  # The 12B-like NVFP4 slice on a 16 GB GPU.
+  # The 12B-like slice on a 16 GB GPU, all-NVFP4 and mixed.
   small = list(nano_counts)[-1]
-  weights = exact["nvfp4"][small]
-  fit = [f"| context | weights GB | caches / seq GB | total GB | fits {FLAGS.device_gb:g} GB |",
-         "|---:|---:|---:|---:|---|"]
-  for t in FLAGS.context:
-    per_seq = measures.serving_memory(nano_cfg, nano_counts[small], "nvfp4", t)["per_sequence"]
-    total = weights + per_seq
-    fit.append(f"| {t:,} | {weights / 1e9:.2f} | {per_seq / 1e9:.2f} | {total / 1e9:.2f} | "
-               f"{'yes' if total <= FLAGS.device_gb * 1e9 else 'no'} |")
+  fit = [f"| format | context | weights GB | caches / seq GB | total GB | "
+         f"fits {FLAGS.device_gb:g} GB |", "|---|---:|---:|---:|---:|---|"]
+  for f in ("nvfp4", "mixed"):
+    weights = exact[f][small]
+    for t in FLAGS.context:
+      per_seq = measures.serving_memory(nano_cfg, nano_counts[small], "nvfp4",
+                                        t)["per_sequence"]   # caches: the weights' format aside
+      total = weights + per_seq
+      fit.append(f"| {f} | {t:,} | {weights / 1e9:.2f} | {per_seq / 1e9:.2f} | "
+                 f"{total / 1e9:.2f} | {'yes' if total <= FLAGS.device_gb * 1e9 else 'no'} |")
   fit_table = "\n".join(fit)
 
   text = (f"## Quality per budget and format (tiny family, QAD {qad_steps} steps)\n\n{quality}\n\n"
           f"## Checkpoint bytes of the family\n\n{sizes}\n\n"
-          f"## nano_v3 {small} NVFP4 slice on a {FLAGS.device_gb:g} GB GPU (batch 1; KV bf16; "
+          f"## nano_v3 {small} slice on a {FLAGS.device_gb:g} GB GPU (batch 1; KV bf16; "
           f"activations and workspace not counted)\n\n{fit_table}\n")
   out = os.path.abspath(FLAGS.out or run.workdir)
   os.makedirs(out, exist_ok=True)

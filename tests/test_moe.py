@@ -83,16 +83,20 @@ def test_bad_impl(cfg, params):
     moe_lib.moe(_moe_params(params, cfg), jnp.zeros((1, 2, cfg.hidden_size)), cfg, impl="sparse")
 
 
-@pytest.mark.parametrize("mesh_spec, batch_axes, placement", [
+@pytest.mark.parametrize("mesh_spec, batch_axes, placement, dispatch", [
     # tokens repeated on each expert shard
-    ("fsdp:2,tensor:2,expert:2", ("data", "fsdp"), "contiguous"),
-    # tokens split over experts too; experts in the balanced order
-    ("data:2,expert:4", ("data", "expert"), "balanced"),
+    ("fsdp:2,tensor:2,expert:2", ("data", "fsdp"), "contiguous", "auto"),
+    # tokens split over experts too; experts in the balanced order; all_gather + psum_scatter
+    ("data:2,expert:4", ("data", "expert"), "balanced", "gather"),
+    # ... each assignment sent to its expert's shard and back (ragged all-to-all, emulated)
+    ("data:2,expert:4", ("data", "expert"), "contiguous", "ragged"),
 ])
-def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes, placement):
+def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes, placement,
+                                           dispatch):
   """impl "ep" on 8 host devices (experts split over `expert`, weights FSDP / tensor sharded):
   values and gradients equal the single-device dense MoE (fp32), experts and width masked,
-  with the experts placed contiguously or balanced (masks in logical order either way)."""
+  with the experts placed contiguously or balanced (masks in logical order either way), and
+  tokens split over `expert` reaching their experts by all_gather or ragged all-to-all."""
   from elastic_jax.model import expert_placement
   from elastic_jax.model import model as M
   from elastic_jax.parallel import mesh as mesh_lib
@@ -113,6 +117,7 @@ def test_expert_parallel_equals_one_device(cfg, params, mesh_spec, batch_axes, p
 
   (want_l, want), want_g = loss("dense")(p, x)
   placed, pcfg = M.place_experts(params, cfg, placement)
+  pcfg = pcfg.replace(ep_dispatch=dispatch)
   p = _moe_params(placed, pcfg)
   specs = {"router": P(), "router_bias": P(), "up": P("expert", "fsdp", "tensor"),
            "down": P("expert", "tensor", "fsdp"), "shared_up": P("fsdp", "tensor"),
@@ -200,3 +205,24 @@ def test_expert_balance_benchmark_quick():
           for line in r.stdout.splitlines() if line.startswith("| 64 |")}
   assert int(rows[("64", "contiguous")][0]) == 4 and int(rows[("64", "balanced")][0]) == 0
   assert float(rows[("64", "balanced")][1]) < 1.2 < 2.0 < float(rows[("64", "contiguous")][1])
+
+
+def test_ragged_dispatch_lowers_for_gpu_and_tpu(cfg, params, monkeypatch):
+  """The ragged dispatch is the real `ragged_all_to_all` where the backend compiles it: the
+  MoE's forward and backward lowered for CUDA and TPU on an expert-split mesh hold the
+  collective (rows and expert ids out, outputs back; two more in the backward), not the CPU
+  emulation's all_gathers."""
+  from elastic_jax.model import moe_parallel
+  from elastic_jax.parallel import mesh as mesh_lib
+  from elastic_jax.parallel import sharding as shd
+  from elastic_jax.parallel.rules import DEFAULT_RULES
+  monkeypatch.setattr(moe_parallel, "emulate_ragged", lambda: False)
+  rcfg = cfg.replace(ep_dispatch="ragged")
+  rules = tuple((n, ("data", "expert")) if n == "batch" else (n, a) for n, a in DEFAULT_RULES)
+  x = jnp.ones((8, 5, cfg.hidden_size))
+  loss = lambda p, x: jnp.sum(moe_lib.moe(p, x, rcfg, impl="ep")[0])
+  for platform in ("cuda", "tpu"):
+    with shd.activation_context(mesh_lib.make_mesh("data:2,expert:4"), rules):
+      hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(_moe_params(params, cfg), x).lower(
+          lowering_platforms=(platform,)).as_text()
+    assert hlo.count("ragged_all_to_all") == 5, platform

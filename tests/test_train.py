@@ -222,13 +222,17 @@ def test_quantized_family_from_the_main_job(reference, tmp_path):
   assert "elastic: resumed from step 40/40" in r.stdout
   assert "quant: loaded the nvfp4 family" in r.stdout and "qad 1/3" not in r.stdout
   table = (workdir / "quantization.md").read_text()
-  for fmt in ("bf16", "fp8 PTQ", "nvfp4 PTQ", "nvfp4 QAD"):
+  for fmt in ("bf16", "fp8 PTQ", "mixed PTQ", "nvfp4 PTQ", "nvfp4 QAD"):
     cells = [l.split("|")[1:3] for l in table.splitlines() if l.startswith("| ")]
     assert [b.strip() for b, f in cells if f == f" {fmt} " and b.strip() != "nano_v3"] == [
         "full", "medium", "small"], fmt
   nano = [l for l in table.splitlines() if l.startswith("| nano_v3 | nvfp4 |")]
   assert len(nano) == 1 and nano[0].split("|")[3].strip().startswith("18.")
-  assert "| 8,192 | 4.21 | 0.08 | 4.29 | yes |" in table   # 12B-like: every axis at its last
+  assert "| nvfp4 | 8,192 | 4.21 | 0.08 | 4.29 | yes |" in table   # 12B-like: each axis' last
+  mixed = [l for l in table.splitlines() if l.startswith("| nano_v3 | mixed |")]
+  assert len(mixed) == 1 and float(nano[0].split("|")[3].split()[0]) < float(
+      mixed[0].split("|")[3].split()[0]) < 0.5 * float(table.split("| nano_v3 | bf16 |")[1]
+                                                     .split("|")[1].split()[0])
   assert (workdir / "quantization.png").stat().st_size > 10_000
 
 

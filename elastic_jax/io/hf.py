@@ -327,18 +327,43 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], c: ModelConfig,
   return params
 
 
+GLOBALS = ("embed", "final_norm", "lm_head")
+
+
+def select(params, keys: tuple[str, ...]):
+  """The subtree of `params` at `keys` (an `hf_parts` part); () is the non-layer leaves."""
+  if not keys:
+    return {k: params[k] for k in GLOBALS}
+  for k in keys:
+    params = params[k]
+  return params
+
+
+def hf_parts(c: ModelConfig) -> list:
+  """The HF layout part by part: [(keys, convert)], `convert(select(params, keys))` giving
+  that part's HF tensors; the non-layer tensors first, then each layer. `params_to_hf` is
+  their union; the quantized export (`io.modelopt`) works through them one part at a time."""
+  def globals_(p):
+    return {"backbone.embeddings.weight": p["embed"],
+            "backbone.norm_f.weight": p["final_norm"]["scale"], "lm_head.weight": p["lm_head"].T}
+
+  def layer(i, kind):
+    conv = {"M": _mamba_to_hf, "*": _attn_to_hf, "E": _moe_to_hf, "-": _mlp_to_hf}[kind]
+    def convert(p):
+      out = {f"backbone.layers.{i}.norm.weight": p["norm"]["scale"]}
+      out.update({f"backbone.layers.{i}.mixer.{k}": v for k, v in conv(p["mixer"], c).items()})
+      return out
+    return convert
+  return [((), globals_)] + [(("layers", str(i)), layer(i, kind))
+                             for i, kind in enumerate(c.layer_pattern)]
+
+
 def params_to_hf(params, c: ModelConfig) -> dict[str, np.ndarray]:
   """HF hub-layout state dict (numpy) for our params."""
   params = jax.tree_util.tree_map(np.asarray, params)
-  out = {"backbone.embeddings.weight": params["embed"],
-         "backbone.norm_f.weight": params["final_norm"]["scale"],
-         "lm_head.weight": params["lm_head"].T}
-  conv = {"M": _mamba_to_hf, "*": _attn_to_hf, "E": _moe_to_hf, "-": _mlp_to_hf}
-  for i, kind in enumerate(c.layer_pattern):
-    layer = params["layers"][str(i)]
-    out[f"backbone.layers.{i}.norm.weight"] = layer["norm"]["scale"]
-    for k, v in conv[kind](layer["mixer"], c).items():
-      out[f"backbone.layers.{i}.mixer.{k}"] = v
+  out = {}
+  for keys, convert in hf_parts(c):
+    out.update(convert(select(params, keys)))
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

@@ -50,18 +50,22 @@ def _leaves(tree) -> dict[str, object]:
   return {jax.tree_util.keystr(p): x for p, x in flat}
 
 
-def _sources(config: ModelConfig):
-  """(HF name -> float ids, [(leaf path, first id, shape)]): each HF tensor as the ids of the
-  float entries of our leaves it holds (leaf k's entries are ids start_k ... in C order)."""
-  shapes = param_shapes(config)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+def _part_sources(shapes, keys: tuple, convert):
+  """(HF name -> float ids, [(leaf path, first id, shape)]) of one `hf.hf_parts` part: each of
+  the part's HF tensors as the ids of the float entries of our leaves it holds (leaf k's
+  entries are ids start_k ... in C order, counted within the part: int32 up to 2^31 entries,
+  so a nano_v3 layer's ids take 5.2 GB where the whole model's took 253 GB in int64)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(hf.select(shapes, keys))
+  root = tuple(jax.tree_util.DictKey(k) for k in keys)
+  total = sum(int(np.prod(s.shape)) for _, s in flat)
+  dtype = np.int32 if total < 2 ** 31 else np.int64
   table, arrays, start = [], [], 0
   for path, s in flat:
     n = int(np.prod(s.shape))
-    table.append((jax.tree_util.keystr(path), start, tuple(s.shape)))
-    arrays.append(np.arange(start, start + n, dtype=np.int64).reshape(s.shape))
+    table.append((jax.tree_util.keystr(root + path), start, tuple(s.shape)))
+    arrays.append(np.arange(start, start + n, dtype=dtype).reshape(s.shape))
     start += n
-  return hf.params_to_hf(jax.tree_util.tree_unflatten(treedef, arrays), config), table
+  return convert(jax.tree_util.tree_unflatten(treedef, arrays)), table
 
 
 def _owners(ids: np.ndarray, table) -> list[int]:
@@ -133,48 +137,20 @@ def to_modelopt(qparams, config: ModelConfig,
   unquantized leaves (Mamba's in_proj is z, x, B, C, dt), of two global scales or of two
   formats, or a float model."""
   leaves = _leaves(qparams)
-  quantized = {k: x for k, x in leaves.items() if is_qtensor(x)}
-  if not quantized:
+  if not any(is_qtensor(x) for x in leaves.values()):
     raise ModelOptError("export takes a quantized model, got no quantized leaf")
-  ids, table = _sources(config)
-  q_of = {k: leaves[path] for k, (path, _, _) in enumerate(table) if is_qtensor(leaves[path])}
-  # Float tensors: the unquantized leaves through the usual converter (placeholders elsewhere).
-  floats = jax.tree_util.tree_map(
-      lambda x: np.zeros(x.shape, np.int8) if is_qtensor(x) else x, qparams, is_leaf=is_qtensor)
+  shapes = param_shapes(config)
   out, excluded, layers = {}, [], {}
-  for name, hf_tensor in hf.params_to_hf(floats, config).items():
-    owners = _owners(ids[name], table)
-    kinds = {k in q_of for k in owners}
-    if kinds == {False}:
-      out[name] = hf_tensor
-      if name.endswith(".weight") and hf_tensor.ndim == 2 and "embeddings" not in name:
-        excluded.append(_module(name))
-      continue
-    fmts = {q_of[k].fmt for k in owners if k in q_of}
-    if len(fmts) > 1:
-      raise ModelOptError(f"{name} is one HF Linear made of {[table[k][0] for k in owners]} "
-                          f"in formats {sorted(fmts)}: give them one format")
-    if kinds != {False, True} and len({float(q_of[k].global_scale) for k in owners}) == 1:
-      m = _module(name)
-      fmt = fmts.pop()
-      layers[m] = {"quant_algo": QUANT_ALGO[fmt], **({"group_size": formats.BLOCK}
-                                                     if fmt == "nvfp4" else {})}
-      scale = np.float32(q_of[owners[0]].global_scale)
-      if fmt == "nvfp4":
-        out[f"{m}.weight"] = _gather(ids[name], table, q_of, 2, "codes")
-        out[f"{m}.weight_scale"] = _gather(ids[name], table, q_of, formats.BLOCK, "block_scale")
-        out[f"{m}.weight_scale_2"] = np.asarray(scale)
-      else:
-        out[f"{m}.weight"] = _gather(ids[name], table, q_of, 1, "codes")
-        out[f"{m}.weight_scale"] = np.asarray(scale)
-      amax = _module_amax(ids[name], owners, table, input_amax or {})
-      if amax is not None:
-        top = formats.E2M1_MAX * formats.E4M3_MAX if fmt == "nvfp4" else formats.E4M3_MAX
-        out[f"{m}.input_scale"] = np.asarray(np.float32(amax) / np.float32(top))
-      continue
-    parts = [table[k][0] for k in owners]
-    raise ModelOptError(f"{name} is one HF Linear made of {parts}: quantize all of them or "
-                        "none, with one global scale (quant.tree.SHARED_SCALE)")
+  for keys, convert in hf.hf_parts(config):   # one layer's index arrays at a time
+    ids, table = _part_sources(shapes, keys, convert)
+    q_of = {k: leaves[path] for k, (path, _, _) in enumerate(table) if is_qtensor(leaves[path])}
+    # Float tensors: the unquantized leaves through the usual converter (placeholders elsewhere).
+    floats = jax.tree_util.tree_map(
+        lambda x: np.zeros(x.shape, np.int8) if is_qtensor(x) else np.asarray(x),
+        hf.select(qparams, keys), is_leaf=is_qtensor)
+    for name, hf_tensor in convert(floats).items():
+      _export_tensor(name, hf_tensor, ids[name], table, q_of, input_amax or {}, out, excluded,
+                     layers)
   algos = sorted({v["quant_algo"] for v in layers.values()})
   quant = {"quant_algo": algos[0] if len(algos) == 1 else MIXED,
            "kv_cache_quant_algo": None, "exclude_modules": sorted(excluded)}
@@ -183,6 +159,42 @@ def to_modelopt(qparams, config: ModelConfig,
   if len(algos) > 1:   # each quantized Linear's own algorithm
     quant["quantized_layers"] = dict(sorted(layers.items()))
   return out, quant
+
+
+def _export_tensor(name, hf_tensor, ids, table, q_of, input_amax, out, excluded, layers):
+  """Writes HF tensor `name` into `out`: as is (and its module into `excluded`) when none of
+  its leaves is quantized, else as ModelOpt codes and scales (its format into `layers`)."""
+  owners = _owners(ids, table)
+  kinds = {k in q_of for k in owners}
+  if kinds == {False}:
+    out[name] = np.ascontiguousarray(hf_tensor)
+    if name.endswith(".weight") and hf_tensor.ndim == 2 and "embeddings" not in name:
+      excluded.append(_module(name))
+    return
+  fmts = {q_of[k].fmt for k in owners if k in q_of}
+  if len(fmts) > 1:
+    raise ModelOptError(f"{name} is one HF Linear made of {[table[k][0] for k in owners]} "
+                        f"in formats {sorted(fmts)}: give them one format")
+  if kinds == {False, True} or len({float(q_of[k].global_scale) for k in owners}) != 1:
+    parts = [table[k][0] for k in owners]
+    raise ModelOptError(f"{name} is one HF Linear made of {parts}: quantize all of them or "
+                        "none, with one global scale (quant.tree.SHARED_SCALE)")
+  m = _module(name)
+  fmt = fmts.pop()
+  layers[m] = {"quant_algo": QUANT_ALGO[fmt], **({"group_size": formats.BLOCK}
+                                                 if fmt == "nvfp4" else {})}
+  scale = np.float32(q_of[owners[0]].global_scale)
+  if fmt == "nvfp4":
+    out[f"{m}.weight"] = _gather(ids, table, q_of, 2, "codes")
+    out[f"{m}.weight_scale"] = _gather(ids, table, q_of, formats.BLOCK, "block_scale")
+    out[f"{m}.weight_scale_2"] = np.asarray(scale)
+  else:
+    out[f"{m}.weight"] = _gather(ids, table, q_of, 1, "codes")
+    out[f"{m}.weight_scale"] = np.asarray(scale)
+  amax = _module_amax(ids, owners, table, input_amax)
+  if amax is not None:
+    top = formats.E2M1_MAX * formats.E4M3_MAX if fmt == "nvfp4" else formats.E4M3_MAX
+    out[f"{m}.input_scale"] = np.asarray(np.float32(amax) / np.float32(top))
 
 
 def save_pretrained(folder: str, qparams, config: ModelConfig, *,
@@ -251,53 +263,55 @@ def load_pretrained(folder: str, **overrides) -> tuple[ModelConfig, dict]:
                         f"{algo!r})")
   config = hf.load_config(folder, **overrides)
   tensors = st.load_folder(folder)
-  ids, table = _sources(config)
-  owners = {_module(n): _owners(a, table) for n, a in ids.items()
-            if n.endswith(".weight") and f"{_module(n)}.weight_scale" in tensors}
-  modules = list(owners)
   per_layer = q.get("quantized_layers") or {}
-  fmt_of = {}
-  for m in modules:
-    a = per_layer.get(m, {}).get("quant_algo") if algo == MIXED else algo
-    if a not in FMT_OF_ALGO:
-      raise ModelOptError(f"{folder}: {m} is quantized but its quant_algo is {a!r}; expected "
-                          f"one of {sorted(FMT_OF_ALGO)}")
-    fmt_of[m] = FMT_OF_ALGO[a]
-  owned = {k: fmt_of[m] for m, ks in owners.items() for k in ks}
   # The quantized leaves, each blocked along its input dim (read off its logical axes).
   names = {jax.tree_util.keystr(p): n for p, n in jax.tree_util.tree_flatten_with_path(
       logical_axes(config), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
-  shells = {k: QTensor(None, None, None, fmt, block_axis(tuple(names[table[k][0]])),
-                       config.param_dtype) for k, fmt in owned.items()}
-  params = hf.params_from_hf(_FloatView(tensors, {f"{m}.weight": ids[f"{m}.weight"].shape
-                                                  for m in modules}), config)
-  comps = {k: {} for k in owned}
-  for m in modules:
-    name, fmt = f"{m}.weight", fmt_of[m]
-    parts = ([("codes", 2, tensors[name]), ("block_scale", formats.BLOCK,
-                                            tensors[f"{m}.weight_scale"])] if fmt == "nvfp4"
-             else [("codes", 1, tensors[name])])
-    for comp, div, value in parts:
-      owner, index = _component_index(ids[name], table, shells, div)
-      if value.shape != owner.shape:
-        raise ModelOptError(f"{folder}: {name if comp == 'codes' else m + '.weight_scale'} has "
-                            f"shape {value.shape}, the config expects {owner.shape}")
-      for k in np.unique(owner):
-        path, _, shape = table[k]
-        full = list(shape)
-        if div > 1:
-          full[shells[k].axis] //= div
-        arr = comps[k].setdefault(comp, np.zeros(full, value.dtype))
-        arr.reshape(-1)[index[owner == k]] = value[owner == k]
-    scale = tensors[f"{m}.weight_scale_2" if fmt == "nvfp4" else f"{m}.weight_scale"]
-    for k in owners[m]:
-      comps[k]["global_scale"] = np.float32(scale)
-  by_path = {table[k][0]: QTensor(jax.numpy.asarray(c["codes"]),
-                                  None if owned[k] == "fp8" else
-                                  jax.numpy.asarray(c["block_scale"]),
-                                  jax.numpy.asarray(c["global_scale"]), owned[k],
-                                  shells[k].axis, config.param_dtype)
-             for k, c in comps.items()}
+  shapes = param_shapes(config)
+  float_shapes, by_path = {}, {}
+  for keys, convert in hf.hf_parts(config):   # one layer's index arrays at a time
+    ids, table = _part_sources(shapes, keys, convert)
+    owners = {_module(n): _owners(a, table) for n, a in ids.items()
+              if n.endswith(".weight") and f"{_module(n)}.weight_scale" in tensors}
+    fmt_of = {}
+    for m in owners:
+      a = per_layer.get(m, {}).get("quant_algo") if algo == MIXED else algo
+      if a not in FMT_OF_ALGO:
+        raise ModelOptError(f"{folder}: {m} is quantized but its quant_algo is {a!r}; "
+                            f"expected one of {sorted(FMT_OF_ALGO)}")
+      fmt_of[m] = FMT_OF_ALGO[a]
+      float_shapes[f"{m}.weight"] = ids[f"{m}.weight"].shape
+    owned = {k: fmt_of[m] for m, ks in owners.items() for k in ks}
+    shells = {k: QTensor(None, None, None, fmt, block_axis(tuple(names[table[k][0]])),
+                         config.param_dtype) for k, fmt in owned.items()}
+    comps = {k: {} for k in owned}
+    for m in owners:
+      name, fmt = f"{m}.weight", fmt_of[m]
+      parts = ([("codes", 2, tensors[name]), ("block_scale", formats.BLOCK,
+                                              tensors[f"{m}.weight_scale"])] if fmt == "nvfp4"
+               else [("codes", 1, tensors[name])])
+      for comp, div, value in parts:
+        owner, index = _component_index(ids[name], table, shells, div)
+        if value.shape != owner.shape:
+          raise ModelOptError(f"{folder}: {name if comp == 'codes' else m + '.weight_scale'} "
+                              f"has shape {value.shape}, the config expects {owner.shape}")
+        for k in np.unique(owner):
+          path, _, shape = table[k]
+          full = list(shape)
+          if div > 1:
+            full[shells[k].axis] //= div
+          arr = comps[k].setdefault(comp, np.zeros(full, value.dtype))
+          arr.reshape(-1)[index[owner == k]] = value[owner == k]
+      scale = tensors[f"{m}.weight_scale_2" if fmt == "nvfp4" else f"{m}.weight_scale"]
+      for k in owners[m]:
+        comps[k]["global_scale"] = np.float32(scale)
+    by_path.update({table[k][0]: QTensor(jax.numpy.asarray(c["codes"]),
+                                         None if owned[k] == "fp8" else
+                                         jax.numpy.asarray(c["block_scale"]),
+                                         jax.numpy.asarray(c["global_scale"]), owned[k],
+                                         shells[k].axis, config.param_dtype)
+                    for k, c in comps.items()})
+  params = hf.params_from_hf(_FloatView(tensors, float_shapes), config)
   params = jax.tree_util.tree_map_with_path(
       lambda p, x: by_path.get(jax.tree_util.keystr(p), x), params)
   return config, params

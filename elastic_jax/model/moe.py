@@ -195,6 +195,8 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
                                       (0, 2))}}
   else:
     grouped = {"gmm_backend": gmm_backend} if impl in ("ragged", "ep") else {}
+    if impl == "ep":
+      grouped["dispatch"] = c.ep_dispatch
     routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_, **grouped)
   if stats is not None and placed:  # per-expert statistics back in logical order
     inv = np.argsort(perm)

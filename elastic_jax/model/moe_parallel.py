@@ -8,8 +8,10 @@ shards' assignments parked past the last group, where the grouped matmul writes 
 the shards' partial outputs are summed:
 - tokens not split over `expert` (the batch rule leaves that axis out): every shard already
   holds the same tokens; `psum` over `expert` adds the shards' parts;
-- tokens split over `expert` too ("ep_gather", the portable path): `all_gather` the shard group's
-  tokens, compute, `psum_scatter` each token's sum back to the shard that owns it.
+- tokens split over `expert` too: with `ep_dispatch` "ragged" each assignment travels to its
+  expert's shard and back (`jax.lax.ragged_all_to_all`, dropless; emulated with all_gather on
+  CPU); with "gather" (the portable path) `all_gather` the shard group's tokens, compute,
+  `psum_scatter` each token's sum back to the shard that owns it.
 Weights enter the island gathered over every other axis (FSDP / tensor: one layer's experts at a
 time) and split over `expert`. Outside a mesh with an `expert` axis larger than 1, the same
 function runs the single-device ragged path.
@@ -80,8 +82,83 @@ def _batch_axes() -> tuple[str, ...]:
   return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str = "xla"):
-  """The routed experts' output [T, D], split over the mesh's `expert` axis when there is one."""
+def emulate_ragged() -> bool:
+  """Whether the ragged all-to-all is emulated (on a CPU backend, which cannot compile it)."""
+  return jax.default_backend() == "cpu"
+
+
+def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                       axis: str):
+  """`jax.lax.ragged_all_to_all` over `axis`; on CPU (XLA:CPU cannot compile it) the same
+  result from an all_gather of every shard's operand and offsets: receiver r takes, from each
+  sender s, rows [input_offsets_s[r], + send_sizes_s[r]) into [output_offsets_s[r], ...)."""
+  if not emulate_ragged():
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                                      output_offsets, recv_sizes, axis_name=axis)
+  del recv_sizes   # implied by the senders' send_sizes
+  me = jax.lax.axis_index(axis)
+  gather = lambda a: jax.lax.all_gather(a, axis)          # [S, ...] every shard's
+  ops, ins, sends, outs = gather(operand), gather(input_offsets), gather(send_sizes), \
+      gather(output_offsets)
+  j = jnp.arange(output.shape[0])
+  for s in range(ops.shape[0]):
+    start, n, at = ins[s, me], sends[s, me], outs[s, me]
+    here = (j >= at) & (j < at + n)
+    rows = ops[s][jnp.clip(start + j - at, 0, ops.shape[1] - 1)]
+    output = jnp.where(here.reshape((-1,) + (1,) * (output.ndim - 1)), rows, output)
+  return output
+
+
+def _exchange(x, gates, idx, up, down, ffn_mask_F, dt_, gmm_backend):
+  """Inside the island, tokens split over `expert`: each (token, expert) assignment travels to
+  the shard holding its expert (`ragged_all_to_all`, sorted by expert, so each shard receives
+  its senders' rows one block per sender), runs through that shard's experts (grouped
+  matmuls), and comes back the same way; the owner sums its tokens' gated outputs. Dropless:
+  the receive buffer holds the worst case (every assignment of every shard on one shard)."""
+  S = jax.lax.axis_size(EXPERT_AXIS)
+  me = jax.lax.axis_index(EXPERT_AXIS)
+  T, k = idx.shape
+  E_local = up.shape[0]
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)     # by expert, so by owner shard too
+  owner = flat[order] // E_local
+  send_sizes = jnp.bincount(owner, length=S).astype(jnp.int32)
+  input_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+  counts = jax.lax.all_gather(send_sizes, EXPERT_AXIS)          # [sender, receiver]
+  recv_sizes = counts[:, me]
+  # Where my block lands on each receiver: after the blocks of the senders before me.
+  output_offsets = (jnp.cumsum(counts, axis=0) - counts)[me].astype(jnp.int32)
+  cap = T * k * S
+  a2a = lambda v, out, ins, sends, outs, recvs: _ragged_all_to_all(v, out, ins, sends, outs,
+                                                                   recvs, EXPERT_AXIS)
+  rows = a2a(x[order // k].astype(dt_), jnp.zeros((cap, x.shape[1]), dt_), input_offsets,
+             send_sizes, output_offsets, recv_sizes)
+  local = (flat[order] - owner * E_local).astype(jnp.int32)
+  got = a2a(local, jnp.full((cap,), E_local, jnp.int32), input_offsets, send_sizes,
+            output_offsets, recv_sizes)
+  # Received rows grouped by local expert; unused buffer rows (expert E_local) park last.
+  group = jnp.where(jnp.arange(cap) < jnp.sum(recv_sizes), got, E_local)
+  by_expert = jnp.argsort(group, stable=True)
+  sizes = jnp.bincount(group, length=E_local + 1)[:E_local].astype(jnp.int32)
+  h = gmm(rows[by_expert], up.astype(dt_), sizes, backend=gmm_backend)
+  if ffn_mask_F is not None:
+    h = h * ffn_mask_F.astype(dt_)
+  y = gmm(jnp.square(jax.nn.relu(h)), down.astype(dt_), sizes, backend=gmm_backend)
+  y = jnp.zeros_like(y).at[by_expert].set(y)        # back in received order
+  # Back to the senders: my receive blocks start where the earlier senders' end.
+  back_in = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+  back_out = (jnp.cumsum(counts, axis=1) - counts)[:, me].astype(jnp.int32)
+  y_sorted = a2a(y, jnp.zeros((T * k, y.shape[1]), dt_), back_in, recv_sizes, back_out,
+                 send_sizes)
+  gate = gates.reshape(-1)[order].astype(dt_)
+  return jnp.zeros((T, x.shape[1]), dt_).at[order // k].add(y_sorted * gate[:, None])
+
+
+def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str = "xla",
+                   dispatch: str = "auto"):
+  """The routed experts' output [T, D], split over the mesh's `expert` axis when there is one.
+  `dispatch` (`ModelConfig.ep_dispatch`) picks how tokens split over `expert` reach their
+  experts: "ragged" (`_exchange`), "gather", or "auto" (ragged on GPU / TPU)."""
   mesh = expert_mesh()
   if mesh is None:
     return local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
@@ -92,8 +169,12 @@ def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str 
   batch = tuple(a for a in _batch_axes() if a in mesh.axis_names)
   split = EXPERT_AXIS in batch
   rows = P(batch or None)
+  ragged = split and (dispatch == "ragged" or
+                      (dispatch == "auto" and jax.default_backend() != "cpu"))
 
   def island(x, g, i, up, down):
+    if ragged:
+      return _exchange(x, g, i, up, down, ffn_mask_F, dt_, gmm_backend)
     if split:
       x, g, i = (jax.lax.all_gather(a, EXPERT_AXIS, tiled=True) for a in (x, g, i))
     else:
