@@ -144,8 +144,9 @@ def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
 
 def port_cells(params, cfg, cells: dict) -> dict:
   """Decode timers of the plain-jnp reference port (`reference_port.py`): prefill untimed, then
-  N jitted steps, each token's argmax fed back on device (no host sync per token, which ours
-  makes for stop rules and streaming)."""
+  N jitted steps, each token's argmax fed back on device (no host sync per token; ours syncs
+  once per block of `generate.DECODE_BLOCK` steps under a stop rule, and per token when
+  streaming)."""
   import jax
   import jax.numpy as jnp
 
