@@ -124,6 +124,11 @@ class ModelConfig:
   # "gather" (all_gather the tokens, psum_scatter the outputs: portable), or "auto" (ragged on
   # GPU / TPU, gather on CPU).
   ep_dispatch: str = "auto"
+  # Packed training rows hold several documents, each starting with `bos_token_id`: with
+  # `segment_packing`, full-sequence passes keep attention and the Mamba conv and SSM state
+  # within each document (a row computes what its documents would alone). Decoding over a
+  # cache holds one document and is unaffected.
+  segment_packing: bool = False
   # Special tokens (real tokenizer: bos 1, eos 2, pad 0, <think> 12, </think> 13).
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -312,6 +317,11 @@ class ModelConfig:
       err("expert_placement", f"{self.expert_placement!r} not in {EXPERT_PLACEMENTS}")
     if self.ep_dispatch not in EP_DISPATCHES:
       err("ep_dispatch", f"{self.ep_dispatch!r} not in {EP_DISPATCHES}")
+    if not isinstance(self.segment_packing, bool):
+      err("segment_packing", f"must be a bool, got {self.segment_packing!r}")
+    if self.segment_packing and self.kernels == "pallas":
+      err("segment_packing", "the Pallas SSD kernel does not reset state at document starts; "
+          "use kernels='xla'")
     if not isinstance(self.scan_layers, bool):
       err("scan_layers", f"must be a bool, got {self.scan_layers!r}")
     self._validate_choices(err)

@@ -156,3 +156,22 @@ def test_query_blocked_attention_memory_is_linear_in_length(cfg, params):
 
   small, big = temp(512), temp(2048)
   assert big < 6 * small, (small, big)
+
+
+def test_segment_packing_computes_each_document_alone(cfg, params):
+  """segment_packing: a packed row (documents each starting with bos) gives, at every
+  position, the logits of its document run alone: attention (query blocks and
+  dot_product_attention), the Mamba conv and the SSM state stop at each start (query blocks
+  of 4 and SSD chunks of 4 cross the document edges); masked budgets too; the packed row
+  without it does not."""
+  rs = np.random.RandomState(4)
+  docs = np.concatenate([np.ones((4, 1), np.int32), rs.randint(3, cfg.vocab_size, (4, 4))], 1)
+  row = docs.reshape(1, -1)
+  masks = from_counts(cfg, {"hidden": 24, "mamba_heads": 4, "moe_experts": 6})
+  for impl, m in (("blocked", None), ("blocked", masks), ("dot_product", None)):
+    pcfg = cfg.replace(segment_packing=True, attention_impl=impl, attention_query_block=4)
+    packed = np.asarray(apply(params, row, m, config=pcfg))[0]
+    alone = np.asarray(apply(params, docs, m, config=pcfg)).reshape(packed.shape)
+    np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-4, err_msg=impl)
+  leaky = np.asarray(apply(params, row, config=pcfg.replace(segment_packing=False)))[0]
+  assert np.abs(leaky[5:] - alone[5:]).max() > 1e-2

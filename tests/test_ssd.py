@@ -46,3 +46,35 @@ def test_gradients_match():
   for a, b in zip(g, g_ref):
     assert np.all(np.isfinite(a))
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_document_starts_reset_the_state():
+  """With document starts, chunked == sequential (values, final state, gradients), and both
+  equal each document scanned alone from a zero state (the first keeps the initial state)."""
+  T = 13
+  x, dt, A, Bm, Cm, s0 = _inputs(T, key=5)
+  starts = np.zeros((B, T), bool)
+  starts[0, [0, 5, 6, 11]] = True    # a one-token document, one across a chunk edge
+  starts[1, [3, 8]] = True
+  starts = jnp.asarray(starts)
+  y_ref, f_ref = ssd_sequential(x, dt, A, Bm, Cm, s0, starts_BT=starts)
+  y, f = ssd_chunked(x, dt, A, Bm, Cm, 4, s0, starts_BT=starts)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(f, f_ref, rtol=1e-5, atol=1e-5)
+  for b in range(B):
+    edges = [0] + [int(t) for t in np.flatnonzero(starts[b]) if t] + [T]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+      init = s0[b:b + 1] if lo == 0 and not starts[b, 0] else None
+      part = lambda a: a[b:b + 1, lo:hi]
+      y_doc, f_doc = ssd_sequential(part(x), part(dt), A, part(Bm), part(Cm), init)
+      np.testing.assert_allclose(y[b:b + 1, lo:hi], y_doc, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f[b:b + 1], f_doc, rtol=1e-5, atol=1e-5)
+  w = jax.random.normal(jax.random.PRNGKey(9), y.shape)
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] * w) + jnp.sum(fn(*a)[1])
+  g_ref = jax.grad(loss(lambda *a: ssd_sequential(*a, starts_BT=starts)), argnums=(0, 1, 2))(
+      x, dt, A, Bm, Cm, s0)
+  g = jax.grad(loss(lambda *a: ssd_chunked(*a[:5], 4, a[5], starts_BT=starts)),
+               argnums=(0, 1, 2))(x, dt, A, Bm, Cm, s0)
+  for a, b in zip(g, g_ref):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

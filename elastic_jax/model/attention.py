@@ -25,7 +25,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, head_mask_H=None, *, state=None, pos=None, key_valid_BS=None,
-               collect: bool = False):
+               collect: bool = False, starts_BT=None):
     c = self.config
     D, Hq, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_kv_heads, c.head_dim
     lin = init.normal(c.initializer_range)
@@ -35,7 +35,7 @@ class Attention(nn.Module):
                             "k": ((D, Hkv, hd), ("embed",) + kvh, lin, pd),
                             "v": ((D, Hkv, hd), ("embed",) + kvh, lin, pd),
                             "o": ((Hq, hd, D), qh + ("embed",), out, pd)})
-    return attention(p, x_BTD, c, state, pos, key_valid_BS, head_mask_H, collect)
+    return attention(p, x_BTD, c, state, pos, key_valid_BS, head_mask_H, collect, starts_BT)
 
 
 def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
@@ -59,22 +59,31 @@ def attend(q_BTKRd, k_BSKd, v_BSKd, mask_TS):
   return out.reshape(B, T, K, R, d)
 
 
-def attend_causal(q_BTKRd, k_BTKd, v_BTKd, block: int):
+def attend_causal(q_BTKRd, k_BTKd, v_BTKd, block: int, seg_BT=None):
   """Causal attention of a full sequence, `block` queries at a time: each block's scores
   [block, T] live only inside its (rematerialised) step, so memory is linear in T. Equals
-  `attend` with a lower-triangular mask."""
+  `attend` with a lower-triangular mask; with `seg_BT` (document ids of packed rows), also
+  within each document."""
   B, T = q_BTKRd.shape[:2]
   if T <= block:
-    return attend(q_BTKRd, k_BTKd, v_BTKd, jnp.tril(jnp.ones((T, T), bool)))
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    if seg_BT is not None:
+      mask = (mask & (seg_BT[:, :, None] == seg_BT[:, None, :]))[:, None, None]
+    return attend(q_BTKRd, k_BTKd, v_BTKd, mask)
   n = -(-T // block)
   q = jnp.pad(q_BTKRd, ((0, 0), (0, n * block - T)) + ((0, 0),) * 3)  # pad rows see all keys
   q_NBtKRd = jnp.moveaxis(q.reshape(B, n, block, *q.shape[2:]), 1, 0)
   col_S = jnp.arange(T)
 
+  seg_pad = None if seg_BT is None else jnp.pad(seg_BT, ((0, 0), (0, n * block - T)))
+
   @jax.checkpoint
   def one(args):
     i, q_BtKRd = args
     mask = col_S[None, :] <= (i * block + jnp.arange(block))[:, None]
+    if seg_pad is not None:
+      rows = jax.lax.dynamic_slice_in_dim(seg_pad, i * block, block, axis=1)
+      mask = (mask & (rows[:, :, None] == seg_BT[:, None, :]))[:, None, None]
     return attend(q_BtKRd, k_BTKd, v_BTKd, mask)
 
   out = jax.lax.map(one, (jnp.arange(n), q_NBtKRd))
@@ -89,14 +98,15 @@ def init_state(c: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
 
 
 def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS=None,
-              head_mask_H=None, collect: bool = False):
+              head_mask_H=None, collect: bool = False, starts_BT=None):
   """Causal attention on params `p`: (out [B,T,D], aux). With a KV cache `state` (see
   `init_state`), the T new tokens go to cache columns [pos, pos + T) and attend to every earlier
   column marked in `key_valid_BS` (which already covers the new columns); aux["state"] is then
   the new cache (else None). `head_mask_H` scales each query head's output (a hard prefix mask
   drops heads exactly as slicing them does). aux["stats"]: with `collect`, {"heads": the
   Minitron score of each head's output channels [Hq, hd], "amax": {"o": the largest |input| of
-  the output projection}}, else None."""
+  the output projection}}, else None. `starts_BT` (full sequences, `segment_packing`): True
+  where a packed document begins; queries attend within their own document."""
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
   B, T, _ = x_BTD.shape
@@ -106,11 +116,13 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
   q = jnp.swapaxes(q, 2, 3)
   k = linear.einsum("btd,dhk->bthk", x_BTD, p["k"], dt_)
   v = linear.einsum("btd,dhk->bthk", x_BTD, p["v"], dt_)
+  seg = None if starts_BT is None or state is not None else jnp.cumsum(starts_BT, axis=1)
   if state is None and c.attention_impl == "dot_product":
+    same = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(q.reshape(B, T, Hkv * rep, c.head_dim), k, v,
-                                       is_causal=True)
+                                       mask=same, is_causal=True)
   elif state is None:
-    out = attend_causal(q, k, v, c.attention_query_block)
+    out = attend_causal(q, k, v, c.attention_query_block, seg)
   else:
     put = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype),
                                                           (0, pos, 0, 0))

@@ -21,8 +21,8 @@ class Block(nn.Module):
   """A residual block of kind `kind` ('M' Mamba-2, '*' attention, 'E' MoE, '-' MLP).
 
   `config` is the layer's own config (`ModelConfig.layer_config`). Call with the fp32 residual
-  stream x [B,T,D] and this layer's masks ({axis name: mask or None} for the axes of its kind);
-  returns (x', aux): aux["stats"] holds calibration statistics when `collect` (the pre-mixer
+  stream x [B,T,D] and this layer's masks ({axis name: mask or None} for the axes of its kind;
+  "doc_starts" [B,T] bool with `segment_packing`: where packed documents begin); returns (x', aux): aux["stats"] holds calibration statistics when `collect` (the pre-mixer
   hidden score plus the mixer's own, and under "amax" each matmul input's largest magnitude),
   aux["state"] the new decode state when `state` is given.
   """
@@ -40,11 +40,13 @@ class Block(nn.Module):
     if self.kind == "M":
       out, aux = Mamba2(c, name="mixer")(h, layer_masks.get("mamba_heads"), ssd=self.ssd,
                                          collect=self.collect, state=state, valid_BT=valid_BT,
-                                         channel_mask_P=layer_masks.get("mamba_head_dim"))
+                                         channel_mask_P=layer_masks.get("mamba_head_dim"),
+                                         starts_BT=layer_masks.get("doc_starts"))
     elif self.kind == "*":
       out, aux = Attention(c, name="mixer")(h, layer_masks.get("attention_heads"), state=state,
                                             pos=pos, key_valid_BS=key_valid_BS,
-                                            collect=self.collect)
+                                            collect=self.collect,
+                                            starts_BT=layer_masks.get("doc_starts"))
     elif self.kind == "E":
       out, aux = MoE(c, name="mixer")(h, layer_masks.get("moe_experts"), layer_masks.get("moe_ffn"),
                                       impl=self.moe_impl, collect=self.collect)

@@ -117,9 +117,13 @@ class ElasticLM(nn.Module):
     if self.stack == "scan" and (cache is not None or self.collect):
       raise ValueError("stack='scan' runs full sequences only: use stack='loop' for decode "
                        "caches and calibration statistics")
+    per_layer = layer_masks(masks, c.layer_pattern)
+    if c.segment_packing and cache is None:   # each layer also reads where documents start
+      starts = tokens_BT == c.bos_token_id
+      per_layer = [{**m, "doc_starts": starts} for m in per_layer]
     x, stats, new_layers = _Layers(c, self.stack, self.remat, self.moe_impl, self.ssd,
                                    self.collect, name="layers")(
-        x, layer_masks(masks, c.layer_pattern), hm, cache, valid_BT)
+        x, per_layer, hm, cache, valid_BT)
     x = RMSNorm(c.hidden_size, c.norm_eps, c.param_dtype, name="final_norm")(x, hm)
     if self.head == "last":
       x = x[:, -1:]

@@ -62,23 +62,32 @@ class Mamba2(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD, head_mask_GH=None, *, ssd: str = "chunked", collect: bool = False,
-               state=None, valid_BT=None, channel_mask_P=None):
+               state=None, valid_BT=None, channel_mask_P=None, starts_BT=None):
     return mamba2(_declare(self, self.config), x_BTD, self.config, head_mask_GH, ssd=ssd,
-                  collect=collect, state=state, valid_BT=valid_BT, channel_mask_P=channel_mask_P)
+                  collect=collect, state=state, valid_BT=valid_BT, channel_mask_P=channel_mask_P,
+                  starts_BT=starts_BT)
 
 
-def causal_conv(x_BTC, w_KC, b_C=None, prev_BKC=None, n_pad_B=None):
+def causal_conv(x_BTC, w_KC, b_C=None, prev_BKC=None, n_pad_B=None, starts_BT=None):
   """Depthwise causal conv over time: out[t] = sum_k w[k] * x[t - K + 1 + k] (+ bias).
 
   Channel dims after T may be any shape; `w` is [K, *channels]. Inputs before t = 0 are zeros,
   or `prev_BKC`, the last K - 1 inputs of the preceding tokens (the decode conv state); then
   returns (out, the new conv state). `n_pad_B` (with `prev_BKC`): row b's first n inputs are
   left padding (zeros) that the stream skips, so the previous state joins its first real input.
+  `starts_BT` (without `prev_BKC`): True where a packed document begins; inputs of an earlier
+  document count as zeros.
   """
   K = w_KC.shape[0]
   T = x_BTC.shape[1]
   if prev_BKC is None:
     xp = jnp.pad(x_BTC, [(0, 0), (K - 1, 0)] + [(0, 0)] * (x_BTC.ndim - 2))
+    if starts_BT is not None:
+      seg = jnp.cumsum(starts_BT, axis=1)
+      segp = jnp.pad(seg, [(0, 0), (K - 1, 0)], constant_values=-1)
+      same = lambda k: (segp[:, k:k + T] == seg).reshape(seg.shape + (1,) * (x_BTC.ndim - 2))
+      out = sum(jnp.where(same(k), xp[:, k:k + T], 0) * w_KC[k] for k in range(K))
+      return out if b_C is None else out + b_C
   else:
     xp = jnp.concatenate([prev_BKC.astype(x_BTC.dtype), x_BTC], axis=1)
     if n_pad_B is not None:
@@ -104,7 +113,8 @@ def init_state(c: ModelConfig, batch: int, dtype=None) -> dict:
 
 
 def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chunked",
-           collect: bool = False, state=None, valid_BT=None, channel_mask_P=None):
+           collect: bool = False, state=None, valid_BT=None, channel_mask_P=None,
+           starts_BT=None):
   """Mamba-2 mixer forward on params `p`: (out [B,T,D], aux). `head_mask_GH` keeps a prefix of
   heads in each group, `channel_mask_P` a prefix of every head's channels (the SSD runs per
   channel, so dropping a channel is masking it in the output norm's statistic and output).
@@ -115,6 +125,8 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   `valid_BT` False marks left padding (in each row, False entries precede True ones): padded
   tokens leave the conv and SSM state untouched (dt = 0), so a padded row computes what the
   unpadded one does, also when the padding follows earlier tokens in `state`.
+  `starts_BT` (full sequences, `segment_packing`): True where a packed document begins; the
+  conv and the SSM state restart there.
   """
   dt_ = jnp.dtype(c.compute_dtype)
   x_BTD = x_BTD.astype(dt_)
@@ -134,7 +146,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   def conv(v, name):
     args = (v, p[name].astype(dt_), _opt(p, name + "_bias", dt_))
     if state is None:
-      return jax.nn.silu(causal_conv(*args))
+      return jax.nn.silu(causal_conv(*args, starts_BT=starts_BT))
     out, new_state[name] = causal_conv(*args, prev_BKC=state[name], n_pad_B=n_pad)
     return jax.nn.silu(out)
   xs, Bm, Cm = conv(xs, "conv_x"), conv(Bm, "conv_B"), conv(Cm, "conv_C")
@@ -149,15 +161,18 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
     raise ValueError(f"ssd must be one of {SSD_IMPLS}, got {ssd!r}")
   # One decode token is one recurrence step; the chunked form would pad it to a whole chunk.
   D = p["D"].astype(jnp.float32)
+  if starts_BT is not None and c.kernels == "pallas":
+    raise ValueError("segment_packing: the Pallas SSD kernel does not reset state at document "
+                     "starts; use kernels='xla'")
   if ssd == "chunked" and xs.shape[1] > 1 and c.kernels == "pallas":
     # Heads a hard budget mask drops are skipped by the kernel; its output for them (D x only)
     # is masked below, as the reference's is.
     y, h = ssd_kernel.ssd(xs, dt, A, Bm, Cm, c.chunk_size, h0, D, head_mask_GH)
   else:
     if ssd == "chunked" and xs.shape[1] > 1:
-      y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0)
+      y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0, starts_BT=starts_BT)
     else:
-      y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0)
+      y, h = ssd_sequential(xs, dt, A, Bm, Cm, initial_state=h0, starts_BT=starts_BT)
     y = y + D[..., None] * xs.astype(jnp.float32)
   new_state["ssm"] = h
   mask = head_mask_GH
