@@ -102,7 +102,7 @@ def main(argv):
   from configs import nano_v3
   from elastic_jax.elastic import measures
   from elastic_jax.io import checkpoint
-  from elastic_jax.quant.tree import QuantSpec, quantize_params
+  from elastic_jax.quant.tree import QuantSpec, dequantize_params, quantize_params
   from elastic_jax.training import evaluate, pipeline
   from elastic_jax.elastic import deploy
   from elastic_jax.elastic import router as router_lib
@@ -127,6 +127,9 @@ def main(argv):
               "nvfp4 QAD": pipeline.quantized_family(run, cfg, family, td)}
   rows = []
   for fmt, params in families.items():
+    # Evaluated dequantized: the same values as from the packed weights (the step dequantizes
+    # them), and every format shares one compiled program per budget.
+    params = dequantize_params(params)
     for r in evaluate.report(params, cfg, family.budget_counts, td.val, td.tokenizer,
                              pipeline.held_out(run), max_think_tokens=ev.max_think_tokens,
                              max_answer_tokens=ev.max_answer_tokens):

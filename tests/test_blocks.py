@@ -162,8 +162,8 @@ def test_segment_packing_computes_each_document_alone(cfg, params):
   """segment_packing: a packed row (documents each starting with bos) gives, at every
   position, the logits of its document run alone: attention (query blocks and
   dot_product_attention), the Mamba conv and the SSM state stop at each start (query blocks
-  of 4 and SSD chunks of 4 cross the document edges); masked budgets too; the packed row
-  without it does not."""
+  of 4 and SSD chunks of 4 cross the document edges); masked budgets and the scanned stack
+  too; the packed row without it does not."""
   rs = np.random.RandomState(4)
   docs = np.concatenate([np.ones((4, 1), np.int32), rs.randint(3, cfg.vocab_size, (4, 4))], 1)
   row = docs.reshape(1, -1)
@@ -173,5 +173,7 @@ def test_segment_packing_computes_each_document_alone(cfg, params):
     packed = np.asarray(apply(params, row, m, config=pcfg))[0]
     alone = np.asarray(apply(params, docs, m, config=pcfg)).reshape(packed.shape)
     np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-4, err_msg=impl)
+  scanned = np.asarray(apply(params, row, config=pcfg, stack="scan"))[0]   # the training stack
+  np.testing.assert_allclose(scanned, alone, rtol=1e-4, atol=1e-4)
   leaky = np.asarray(apply(params, row, config=pcfg.replace(segment_packing=False)))[0]
   assert np.abs(leaky[5:] - alone[5:]).max() > 1e-2
