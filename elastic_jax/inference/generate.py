@@ -127,19 +127,25 @@ def sample(logits_BV, key, temperature, top_p):
                       lambda logits: jnp.argmax(logits, -1).astype(jnp.int32), logits)
 
 
+def _advance(weights, tokens_BT, valid_BT, cache, masks, key, temperature, top_p, config,
+             moe_impl):
+  """Feeds `tokens_BT` into the cache: (new cache, last logits [B,V], sampled next [B])."""
+  # The sampling key of this step is `key` folded with the cache's position (on device: a
+  # host-side fold_in would cost a dispatch per token).
+  key = jax.random.fold_in(key, cache["pos"])
+  logits, cache = apply_cached(weights, tokens_BT, cache, masks, config=config,
+                               valid_BT=valid_BT, moe_impl=moe_impl, last_only=True)
+  return cache, logits[:, -1], sample(logits[:, -1], key, temperature, top_p)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "moe_impl", "matmul"),
                    donate_argnames=("cache",))
 def _step(params, tokens_BT, valid_BT, cache, masks, key, temperature, top_p, *, config,
           moe_impl, matmul="dequant"):
-  # The sampling key of this step is `key` folded with the cache's position (on device: a
-  # host-side fold_in would cost a dispatch per token).
-  key = jax.random.fold_in(key, cache["pos"])
   # Quantized params (QTensor leaves) stay packed in memory; the step dequantizes them, or
   # runs FP8 matmuls on them.
-  logits, cache = apply_cached(step_weights(params, matmul), tokens_BT, cache, masks,
-                               config=config, valid_BT=valid_BT, moe_impl=moe_impl,
-                               last_only=True)
-  return cache, logits[:, -1], sample(logits[:, -1], key, temperature, top_p)
+  return _advance(step_weights(params, matmul), tokens_BT, valid_BT, cache, masks, key,
+                  temperature, top_p, config, moe_impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,8 +308,8 @@ DECODE_BLOCK = 16
 def _decode_block(params, pending_B, active_B, logits_BV, cache, masks, key, temperature, top_p,
                   stops, n_steps, *, config, moe_impl, matmul="dequant"):
   """Up to `n_steps` (<= DECODE_BLOCK, traced) decode steps on device under a stop rule: each
-  live row emits its pending token and feeds it (`_step`'s computation, key folded with the
-  position likewise), and stops after emitting one of `stops`. Returns (cache, pending,
+  live row emits its pending token and feeds it (`_advance`, as `_step` does), and stops
+  after emitting one of `stops`. Returns (cache, pending,
   logits, active, tokens [DECODE_BLOCK, B], emitted [DECODE_BLOCK, B] bool)."""
   weights = step_weights(params, matmul)
   B = pending_B.shape[0]
@@ -314,14 +320,10 @@ def _decode_block(params, pending_B, active_B, logits_BV, cache, masks, key, tem
 
   def body(c):
     k, pending, logits, active, cache, toks, emitted = c
-    step_key = jax.random.fold_in(key, cache["pos"])
     # A stopped row feeds token 0 as `feed` does (its cache column is never valid).
     fed = jnp.where(active, pending, 0)
-    new_logits, cache = apply_cached(weights, fed[:, None], cache, masks, config=config,
-                                     valid_BT=active[:, None], moe_impl=moe_impl,
-                                     last_only=True)
-    new_logits = new_logits[:, -1]
-    nxt = sample(new_logits, step_key, temperature, top_p)
+    cache, new_logits, nxt = _advance(weights, fed[:, None], active[:, None], cache, masks,
+                                      key, temperature, top_p, config, moe_impl)
     toks = toks.at[k].set(pending)
     emitted = emitted.at[k].set(active)
     stopped = jnp.any(pending[:, None] == stops[None, :], axis=-1)
