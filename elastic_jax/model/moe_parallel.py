@@ -52,13 +52,19 @@ def assignments(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.Ar
   order = jnp.argsort(group, stable=True)
   group_sizes = jnp.bincount(group, length=E + 1)[:E].astype(jnp.int32)
   token_of = order // k
-  h = gmm(x_TD[token_of], up.astype(dt_), group_sizes, backend=gmm_backend)
+  act, y = _expert_ffn(x_TD[token_of], up, down, group_sizes, ffn_mask_F, dt_, gmm_backend)
+  return {"token": token_of, "expert": group[order],
+          "gate": jnp.where(mine, gates.reshape(-1), 0.0)[order], "act": act, "y": y}
+
+
+def _expert_ffn(rows, up, down, group_sizes, ffn_mask_F, dt_, gmm_backend):
+  """(relu^2 of the up projection, FFN mask applied; the down projection) of rows sorted by
+  expert, `group_sizes` rows per expert (rows past the last group give zeros)."""
+  h = gmm(rows, up.astype(dt_), group_sizes, backend=gmm_backend)
   if ffn_mask_F is not None:
     h = h * ffn_mask_F.astype(dt_)
   act = jnp.square(jax.nn.relu(h))
-  return {"token": token_of, "expert": group[order],
-          "gate": jnp.where(mine, gates.reshape(-1), 0.0)[order], "act": act,
-          "y": gmm(act, down.astype(dt_), group_sizes, backend=gmm_backend)}
+  return act, gmm(act, down.astype(dt_), group_sizes, backend=gmm_backend)
 
 
 def combine(a: dict, x_TD, dt_):
@@ -140,10 +146,7 @@ def _exchange(x, gates, idx, up, down, ffn_mask_F, dt_, gmm_backend):
   group = jnp.where(jnp.arange(cap) < jnp.sum(recv_sizes), got, E_local)
   by_expert = jnp.argsort(group, stable=True)
   sizes = jnp.bincount(group, length=E_local + 1)[:E_local].astype(jnp.int32)
-  h = gmm(rows[by_expert], up.astype(dt_), sizes, backend=gmm_backend)
-  if ffn_mask_F is not None:
-    h = h * ffn_mask_F.astype(dt_)
-  y = gmm(jnp.square(jax.nn.relu(h)), down.astype(dt_), sizes, backend=gmm_backend)
+  _, y = _expert_ffn(rows[by_expert], up, down, sizes, ffn_mask_F, dt_, gmm_backend)
   y = jnp.zeros_like(y).at[by_expert].set(y)        # back in received order
   # Back to the senders: my receive blocks start where the earlier senders' end.
   back_in = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
