@@ -59,10 +59,6 @@ class QuantSpec:
     """The format of the leaf named `leaf`."""
     return "fp8" if leaf in self.fp8_leaves else self.fmt
 
-  @property
-  def formats(self) -> tuple[str, ...]:
-    return tuple(sorted({self.fmt_of(k) for k in self.leaves}))
-
 
 def mixed_spec(leaves: tuple[str, ...] = DEFAULT_LEAVES) -> QuantSpec:
   """NVIDIA's mixed recipe for Nemotron-H: the routed experts ("up", "down") in NVFP4, every
