@@ -188,3 +188,26 @@ def test_export_refuses_what_modelopt_cannot_hold(small_q, tmp_path):
   with pytest.raises(modelopt.ModelOptError, match="is not ModelOpt"):
     hf.save_pretrained(str(tmp_path), params, CFG)
     modelopt.load_pretrained(str(tmp_path))
+
+
+def test_calibration_checks_batches_and_follows_expert_placement(small_q):
+  """Bad calibration batches are refused naming the batch; with the experts in the balanced
+  order the per-expert amaxes come in the params' (physical) order, the rest unchanged."""
+  from elastic_jax.model import expert_placement
+  from elastic_jax.model.model import place_experts
+  q, cfg = small_q["fp8"]
+  p = dequantize_params(q)
+  with pytest.raises(ValueError, match=r"calibration batch 2: token ids must lie in \[0, 128\)"):
+    input_amax(p, cfg, [np.ones((1, 3), np.int32), np.full((1, 3), 128)])
+  with pytest.raises(ValueError, match="calibration batch 1: expected int tokens"):
+    input_amax(p, cfg, [np.ones((3,), np.float32)])
+  with pytest.raises(ValueError, match="no calibration batches"):
+    input_amax(p, cfg, [])
+  tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 7))
+  want = input_amax(p, cfg, [tokens])
+  placed, pcfg = place_experts(p, cfg, "balanced")
+  got = input_amax(placed, pcfg, [tokens])
+  order = expert_placement.order(cfg.n_routed_experts, "balanced")
+  assert any(a.ndim for a in want.values()) and not np.array_equal(order, np.sort(order))
+  for path, a in want.items():
+    np.testing.assert_allclose(got[path], a[order] if a.ndim else a, rtol=1e-5, err_msg=path)
