@@ -23,7 +23,7 @@ from elastic_jax.elastic import deploy
 from elastic_jax.io import checkpoint
 from elastic_jax.inference import generate as gen
 from elastic_jax.config import ModelConfig
-from elastic_jax.inference.generate import (MATMULS, Sampler, SubModel, decode, feed,
+from elastic_jax.inference.generate import (Sampler, SubModel, check_matmul, decode, feed,
                                             parent_at_budget, prefill, round_up, standalone,
                                             stop_rule)
 
@@ -111,8 +111,7 @@ def load_family(path: str, mode: str = "sliced", moe_impl: str = "auto",
   from elastic_jax.training.data import load_tokenizer
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; allowed: {list(MODES)}")
-  if matmul not in MATMULS:
-    raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
+  check_matmul(matmul)
   meta = checkpoint.load_metadata(path)
   tok = load_tokenizer(_tokenizer_path(path))
   special_ids(tok)  # fail early if the tokenizer lacks <eos> or </think>

@@ -55,11 +55,16 @@ class SubModel:
   matmul: str = "auto"
 
   def __post_init__(self):
-    if self.matmul not in MATMULS:
-      raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {self.matmul!r}")
+    check_matmul(self.matmul)
 
 
 MATMULS = ("auto", "dequant", "fp8")
+
+
+def check_matmul(matmul: str) -> None:
+  """ValueError unless `matmul` is one of `MATMULS`."""
+  if matmul not in MATMULS:
+    raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, got {matmul!r}")
 
 
 def resolve_matmul(matmul: str) -> str:
@@ -309,8 +314,8 @@ def _decode_block(params, pending_B, active_B, logits_BV, cache, masks, key, tem
                   stops, n_steps, *, config, moe_impl, matmul="dequant"):
   """Up to `n_steps` (<= DECODE_BLOCK, traced) decode steps on device under a stop rule: each
   live row emits its pending token and feeds it (`_advance`, as `_step` does), and stops
-  after emitting one of `stops`. Returns (cache, pending,
-  logits, active, tokens [DECODE_BLOCK, B], emitted [DECODE_BLOCK, B] bool)."""
+  after emitting one of `stops`. Returns (cache, pending, logits, active, tokens
+  [DECODE_BLOCK, B], emitted [DECODE_BLOCK, B] bool)."""
   weights = step_weights(params, matmul)
   B = pending_B.shape[0]
 

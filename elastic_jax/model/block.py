@@ -22,8 +22,9 @@ class Block(nn.Module):
 
   `config` is the layer's own config (`ModelConfig.layer_config`). Call with the fp32 residual
   stream x [B,T,D] and this layer's masks ({axis name: mask or None} for the axes of its kind;
-  "doc_starts" [B,T] bool with `segment_packing`: where packed documents begin); returns (x', aux): aux["stats"] holds calibration statistics when `collect` (the pre-mixer
-  hidden score plus the mixer's own, and under "amax" each matmul input's largest magnitude),
+  "doc_starts" [B,T] bool with `segment_packing`: where packed documents begin); returns
+  (x', aux): aux["stats"] holds calibration statistics when `collect` (the pre-mixer hidden
+  score plus the mixer's own, and under "amax" each matmul input's largest magnitude),
   aux["state"] the new decode state when `state` is given.
   """
   config: ModelConfig

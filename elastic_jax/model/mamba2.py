@@ -120,8 +120,8 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   channel, so dropping a channel is masking it in the output norm's statistic and output).
 
   aux["stats"]: with `collect`, {"x": sum_b (mean_t |x part of in_proj|)^2} of shape [G,H,P],
-  "amax": {"out_proj": the largest |input| of out_proj}}, else None. aux["state"]: with a decode `state` (see `init_state`), the new state after the T
-  tokens, else None.
+  "amax": {"out_proj": the largest |input| of out_proj}}, else None. aux["state"]: with a
+  decode `state` (see `init_state`), the new state after the T tokens, else None.
   `valid_BT` False marks left padding (in each row, False entries precede True ones): padded
   tokens leave the conv and SSM state untouched (dt = 0), so a padded row computes what the
   unpadded one does, also when the padding follows earlier tokens in `state`.

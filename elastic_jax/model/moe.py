@@ -159,6 +159,8 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     expert_mask_E = None if expert_mask_E is None else expert_mask_E[..., perm]
   gates, idx = route(p, x_TD, c, expert_mask_E)
   stats = None
+  if collect:   # each token's largest |input|: the experts' up-projection amaxes
+    x_amax_T = jnp.max(jnp.abs(x_TD.astype(jnp.float32)), axis=-1)
   if collect and impl != "dense":
     # The same statistics from the routed assignments alone: no [T, E, F] activations.
     a = moe_parallel.assignments(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
@@ -172,7 +174,6 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     # Largest |input| per expert (0 for an expert no token reached).
     max_by_expert = lambda v: jnp.maximum(
         jax.ops.segment_max(v, a["expert"], num_segments=E + 1)[:E], 0.0)
-    x_amax_T = jnp.max(jnp.abs(x_TD.astype(jnp.float32)), axis=-1)
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0), "reap_sum": by_expert(a["gate"] * norm),
              "norm_sum": by_expert(norm), "count": by_expert(jnp.ones_like(norm)),
              "amax": {"up": max_by_expert(x_amax_T[a["token"]]),
@@ -186,7 +187,6 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     # gate_TE is 0 off the routed (t, e) pairs, so this also keeps only routed activations.
     a = jnp.abs(act.astype(jnp.float32) * gate_TE[..., None]).reshape(B, T, E, -1)
     per_b = jnp.sum(a, axis=(1, 2)) / jnp.maximum(jnp.sum(hit_TE.reshape(B, T, E), (1, 2)), 1)[:, None]
-    x_amax_T = jnp.max(jnp.abs(x_TD.astype(jnp.float32)), axis=-1)
     stats = {"ffn": jnp.sum(jnp.square(per_b), 0),
              "reap_sum": jnp.sum(hit_TE * gate_TE * norm_TE, 0),
              "norm_sum": jnp.sum(hit_TE * norm_TE, 0), "count": jnp.sum(hit_TE, 0),

@@ -172,8 +172,7 @@ def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str 
   batch = tuple(a for a in _batch_axes() if a in mesh.axis_names)
   split = EXPERT_AXIS in batch
   rows = P(batch or None)
-  ragged = split and (dispatch == "ragged" or
-                      (dispatch == "auto" and jax.default_backend() != "cpu"))
+  ragged = split and (dispatch == "ragged" or (dispatch == "auto" and not emulate_ragged()))
 
   def island(x, g, i, up, down):
     if ragged:

@@ -65,11 +65,6 @@ class QTensor:
     return dataclasses.replace(self, codes=self.codes[cut(2)],
                                block_scale=self.block_scale[cut(formats.BLOCK)])
 
-  def astype(self, dtype) -> jax.Array:
-    """The float weight in `dtype` (dequantized), so a QTensor serves wherever the model casts
-    a weight to its compute dtype."""
-    return self.dequantize(dtype)
-
   def einsum(self, spec: str, x, dtype) -> jax.Array:
     """`jnp.einsum(spec, x, weight)` in `dtype`: an FP8 matmul for fp8 (`formats.fp8_einsum`:
     x quantized per row on the fly, f32 accumulation); nvfp4 dequantizes first."""
