@@ -13,7 +13,7 @@ from typing import Any, Mapping
 LAYER_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "full", "save_dots")
-ATTENTION_IMPLS = ("blocked", "dot_product")
+ATTENTION_IMPLS = ("blocked", "dot_product", "splash")
 KERNELS = ("xla", "pallas")
 EXPERT_PLACEMENTS = ("contiguous", "balanced")
 EP_DISPATCHES = ("auto", "ragged", "gather")
@@ -105,9 +105,11 @@ class ModelConfig:
   # backward pass, so memory grows as block x T instead of T x T. Sequences no longer than one
   # block take the one-shot path.
   attention_query_block: int = 512
-  # Full-sequence attention: "blocked" (the query blocks above; XLA, any backend, the default)
-  # or "dot_product" (`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs that
-  # support it, else XLA's one-shot [T, T] scores). Decoding over a cache is the same for both.
+  # Full-sequence attention: "blocked" (the query blocks above; XLA, any backend, the default),
+  # "dot_product" (`jax.nn.dot_product_attention`: cuDNN flash attention on GPUs that support
+  # it, else XLA's one-shot [T, T] scores) or "splash" (the TPU's splash attention kernel,
+  # blocks of attention_query_block; interpreted on CPU, for tests). Decoding over a cache is
+  # the same for all.
   attention_impl: str = "blocked"
   # The chunked SSD scan and the grouped expert matmul (MoE dispatch "ragged" / "ep"): "xla"
   # (pure jnp and `jax.lax.ragged_dot`, the fast CPU path) or "pallas" (`pallas_kernels`: the

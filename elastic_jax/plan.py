@@ -8,6 +8,13 @@ weight, and print XLA's per-device memory and the analytic FLOPs per step.
 Each --mesh is planned in turn: one with -1 spans all --devices, one with fixed sizes the first
 devices it needs.
 
+  python -m elastic_jax.plan --topology=v5p:4x4x4 --mesh=fsdp:-1
+
+compiles for a TPU topology's devices instead (XLA:TPU through libtpu, on this CPU host: no TPU
+needed; `pip install 'jax[tpu]'` in its own environment), so the memory is what those chips
+would need, with the TPU's own paths (the grouped matmul, the ragged all-to-all, bf16 dots),
+not the CPU stand-ins.
+
 Both stages are planned (stage 1 at data.seq_len, stage 2 at seq_len x stage2_len_mult) with the
 config's global batch (data.batch); --seq_len / --batch override them.
 
@@ -21,8 +28,10 @@ best architecture in band, as deployment picks).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 
 from absl import flags
 
@@ -32,12 +41,17 @@ _CONFIG = cli.define_config_file(
     "config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "nano_v3.py"), "run config (a configs/*.py file)")
 flags.DEFINE_integer("devices", 64, "fake CPU devices to plan on (ignored on an accelerator)")
+flags.DEFINE_string("topology", None, "plan on a TPU topology's devices, e.g. v5p:4x4x4 or "
+                    "v6e:8x8 (needs libtpu: pip install 'jax[tpu]'; no TPU needed)")
 flags.DEFINE_multi_string("mesh", ["fsdp:-1"],
                           "mesh spec(s), e.g. data:1,fsdp:-1,tensor:1,expert:1 (repeatable)")
 flags.DEFINE_list("stages", ["1", "2"], "which elastic stages to plan")
 flags.DEFINE_integer("batch", None, "global batch (default: config.data.batch)")
 flags.DEFINE_integer("seq_len", None, "stage-1 sequence length (default: config.data.seq_len)")
 flags.DEFINE_string("moe_impl", None, "MoE dispatch (default: config.elastic.moe_impl)")
+flags.DEFINE_list("batch_axes", None, "mesh axes the token batch is split over (default: the "
+                  "config's 'batch' rule, data,fsdp); e.g. data,fsdp,expert sends each token to "
+                  "its experts' shards (ep_dispatch)")
 flags.DEFINE_bool("donate", True, "the step donates its state (as training does); --nodonate "
                   "shows what donation saves")
 flags.DEFINE_bool("inference", False, "print the serving memory table instead of the step")
@@ -147,6 +161,19 @@ def step_flops(cfg, active_params: int, batch: int, seq_len: int) -> float:
   return tokens * (8 * active_params + 4 * attn)
 
 
+def topology_devices(name: str) -> list:
+  """The devices of TPU topology `name` (e.g. "v5p:4x4x4"), compile-only, from libtpu; one-line
+  errors without libtpu or for a name it does not know."""
+  from jax.experimental import topologies
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+  except RuntimeError as e:
+    if "not installed" in str(e):
+      raise ValueError("--topology needs libtpu: pip install 'jax[tpu]' (in its own "
+                       "environment; no TPU is needed)") from None
+    raise ValueError(f"--topology={name}: {str(e).splitlines()[0]}") from None
+
+
 def check_flags() -> None:
   """One-line errors for flag values the plan cannot use, before any work."""
   from elastic_jax.elastic.params_count import BYTES_PER_ELEMENT
@@ -165,6 +192,10 @@ def check_flags() -> None:
   for stage in FLAGS.stages:
     if stage not in ("1", "2"):
       raise ValueError(f"--stages: {stage!r} not in ['1', '2']")
+  from elastic_jax.parallel.mesh import MESH_AXES
+  bad = [a for a in FLAGS.batch_axes or () if a not in MESH_AXES]
+  if bad:
+    raise ValueError(f"--batch_axes: {bad} not in {list(MESH_AXES)}")
 
 
 def main(argv):
@@ -177,6 +208,8 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.ERROR)   # jax's "no TPU backend" notices
   from elastic_jax.parallel import mesh as mesh_lib
+  from elastic_jax.parallel import rules as rules_lib
+  from pallas_kernels import platform
 
   c = cli.config_value(_CONFIG)
   if FLAGS.inference:
@@ -187,27 +220,55 @@ def main(argv):
     return
   if FLAGS.moe_impl:
     c.elastic.moe_impl = FLAGS.moe_impl
+  if FLAGS.batch_axes:
+    c.parallel.rules = rules_lib.with_batch_axes(c.parallel.rules, FLAGS.batch_axes)
   L1 = FLAGS.seq_len or c.data.seq_len
   B = FLAGS.batch or c.data.batch
+  devices, where = jax.devices(), f"{jax.devices()[0].platform} devices"
+  target = contextlib.nullcontext
+  if FLAGS.topology:
+    devices = topology_devices(FLAGS.topology)
+    where = f"TPU {FLAGS.topology} ({len(devices)} chips, {devices[0].device_kind})"
+    target = lambda: platform.target("tpu")
   meshes = []
   for spec in FLAGS.mesh:
     sizes = mesh_lib.parse_mesh(spec)
-    n = len(jax.devices()) if -1 in sizes.values() else math.prod(sizes.values())
-    meshes.append(mesh_lib.make_mesh(sizes, jax.devices()[:n]))
-  print(f"plan: elastic KD step, global batch {B}, MoE {c.elastic.moe_impl}, master weights "
-        f"{c.optim.master}, state {'donated' if FLAGS.donate else 'not donated'}, on "
-        f"{jax.devices()[0].platform} devices; per-device GiB", flush=True)
+    n = len(devices) if -1 in sizes.values() else math.prod(sizes.values())
+    if n > len(devices):
+      raise ValueError(f"--mesh={spec} needs {n} devices; there are {len(devices)}")
+    meshes.append(mesh_lib.make_mesh(sizes, devices[:n]))
+  print(f"plan: elastic KD step, global batch {B}, MoE {c.elastic.moe_impl}, kernels "
+        f"{c.model.kernels}, master weights {c.optim.master}, state "
+        f"{'donated' if FLAGS.donate else 'not donated'}, on {where}; per-device GiB",
+        flush=True)
   print("| devices | mesh | stage | seq len | arguments | outputs | temporaries | peak | "
         "TFLOP / step | compile s |")
   print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
   for mesh in meshes:
     for stage in FLAGS.stages:
       L = L1 if stage == "1" else L1 * c.elastic.stage2_len_mult
-      mem, seconds, flops = plan_elastic_step(c, mesh, L, B, FLAGS.donate)
-      g = mem.gib()
-      print(f"| {mesh.size} | {mesh_lib.describe(mesh)} | {stage} | {L:,} | "
-            f"{g['arguments']:.3f} | {g['outputs']:.3f} | {g['temporaries']:.3f} | "
-            f"{g['peak']:.3f} | {flops / 1e12:,.1f} | {seconds:.0f} |", flush=True)
+      with target():
+        print(plan_row(c, mesh, stage, L, B, FLAGS.donate), flush=True)
+
+
+def plan_row(run_config, mesh, stage: str, seq_len: int, batch: int, donate: bool) -> str:
+  """One table row: the step's per-device memory, or, where the compiler itself refuses it
+  (XLA:TPU stops when the temporaries exceed the chip's HBM), what it said."""
+  import jax
+  from elastic_jax.parallel import mesh as mesh_lib
+  head = f"| {mesh.size} | {mesh_lib.describe(mesh)} | {stage} | {seq_len:,} |"
+  try:
+    mem, seconds, flops = plan_elastic_step(run_config, mesh, seq_len, batch, donate)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    found = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", str(e))
+    why = (f"temporaries {found[1]} > HBM {found[2]}" if found else
+           str(e).splitlines()[0][:120])
+    return f"{head} - | - | - | does not fit ({why}) | - | - |"
+  g = mem.gib()
+  return (f"{head} {g['arguments']:.3f} | {g['outputs']:.3f} | {g['temporaries']:.3f} | "
+          f"{g['peak']:.3f} | {flops / 1e12:,.1f} | {seconds:.0f} |")
 
 if __name__ == "__main__":
   cli.run(main)

@@ -23,21 +23,22 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform as platform_lib
 from pallas_kernels.gmm_tiled import gmm_tiled
 
 GMM_BACKENDS = ("xla", "tiled", "megablox", "tokamax")
 
 
 def xla_backend(platform: str | None = None) -> str:
-  """The grouped matmul of `kernels="xla"` on `platform` (default: jax's default backend):
+  """The grouped matmul of `kernels="xla"` on `platform` (default: `platform.current()`):
   "tiled" on CPU, whose `ragged_dot` computes every group for every row, else `ragged_dot`."""
-  return "tiled" if (platform or jax.default_backend()) == "cpu" else "xla"
+  return "tiled" if (platform or platform_lib.current()) == "cpu" else "xla"
 
 
 def pallas_backend(platform: str | None = None) -> str:
-  """The shipped kernel for `platform` (default: jax's default backend): megablox on TPU and,
+  """The shipped kernel for `platform` (default: `platform.current()`): megablox on TPU and,
   run interpreted, on CPU; tokamax on GPU when installed, else XLA's ragged_dot (logged)."""
-  platform = platform or jax.default_backend()
+  platform = platform or platform_lib.current()
   if platform in ("gpu", "cuda", "rocm"):
     if importlib.util.find_spec("tokamax") is not None:
       return "tokamax"
@@ -52,9 +53,7 @@ def _warn_no_tokamax():
                   "the grouped matmul falls back to jax.lax.ragged_dot")
 
 
-def _tile(dim: int, pref: int = 128) -> int:
-  """Megablox tiles must divide the dim: 128 where it does, else the whole dim."""
-  return pref if dim % pref == 0 else dim
+LANES = 128   # Mosaic blocks' last two dims: multiples of (8, 128) or the whole dim
 
 
 def _megablox(lhs, rhs, group_sizes, out_dtype, interpret: bool):
@@ -63,13 +62,18 @@ def _megablox(lhs, rhs, group_sizes, out_dtype, interpret: bool):
   n = rhs.shape[-1]
   tm = 128 if m >= 128 else -(-m // 8) * 8
   pad = (-m) % tm
+  # K and N padded with zeros to whole 128-lane tiles: the backward runs the transposed
+  # problem with the same tiling, so a whole-dim tile for one (nano_v3's expert width 1856 =
+  # 14.5 x 128) would be a partial tile of the other (hidden 2688), which Mosaic refuses.
+  pk, pn = (-k) % LANES, (-n) % LANES
   # Megablox leaves rows past the last group unwritten, in the forward output and in the
   # backward's d(lhs); the contract is zeros there, so both sides are selected (a select's
   # VJP drops the unwritten cotangent rows; a multiply would carry their NaNs).
   filled = jnp.arange(m) < jnp.sum(group_sizes)
   lhs = jnp.where(filled[:, None], lhs, 0)
-  out = ops.gmm(jnp.pad(lhs, ((0, pad), (0, 0))), rhs, group_sizes.astype(jnp.int32), out_dtype,
-                (tm, _tile(k), _tile(n)), None, None, False, interpret)[:m]
+  out = ops.gmm(jnp.pad(lhs, ((0, pad), (0, pk))), jnp.pad(rhs, ((0, 0), (0, pk), (0, pn))),
+                group_sizes.astype(jnp.int32), out_dtype, (tm, LANES, LANES), None, None, False,
+                interpret)[:m, :n]
   return jnp.where(filled[:, None], out, 0).astype(out_dtype)
 
 
@@ -89,7 +93,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, backend: str = "xla",
     return gmm_tiled(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype)
   if backend == "megablox":
     if interpret is None:
-      interpret = jax.default_backend() != "tpu"
+      interpret = platform_lib.current() != "tpu"
     return _megablox(lhs_MK, rhs_GKN, group_sizes_G, out_dtype, interpret)
   import tokamax
   return tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype,

@@ -34,13 +34,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import platform as platform_lib
+
 BACKENDS = ("gpu", "tpu")
 _NEG = -1e30  # exp(_NEG) == 0: the decay from a later step, masked without inf arithmetic
 
 
 def default_backend() -> str:
-  """"tpu" on a TPU host, else "gpu" (CPU runs use interpret mode, where either works)."""
-  return "tpu" if jax.default_backend() == "tpu" else "gpu"
+  """"tpu" when building for a TPU (`platform.current()`), else "gpu" (CPU runs use interpret
+  mode, where either works)."""
+  return "tpu" if platform_lib.current() == "tpu" else "gpu"
 
 
 def _compiler_params(backend: str):
@@ -314,7 +317,7 @@ def ssd(x, dt, A, Bm, Cm, chunk_size: int, initial_state=None, D=None, head_keep
   CPU host (Pallas' interpreter), else compiled for `backend` (default: this host's)."""
   backend = backend or default_backend()
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = platform_lib.current() == "cpu"
   if backend not in BACKENDS:
     raise ValueError(f"ssd backend must be one of {BACKENDS}, got {backend!r}")
   b, t, g, h, p = x.shape

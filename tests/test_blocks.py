@@ -123,9 +123,10 @@ def test_attention_reference(cfg, params):
 
 @pytest.mark.parametrize("T", [13, 16])   # 13: the last query block is padded
 def test_query_blocked_attention_equals_one_shot(cfg, params, T):
-  """Blocks of 4 queries (each rematerialised) and `jax.nn.dot_product_attention` (the cuDNN
-  path on GPUs; XLA here) give the one-shot causal attention's values and gradients (fp32), and
-  the whole masked forward is unchanged."""
+  """Blocks of 4 queries (each rematerialised), `jax.nn.dot_product_attention` (the cuDNN
+  path on GPUs; XLA here) and the splash kernel (TPU; interpreted here, T padded to a whole
+  block) give the one-shot causal attention's values and gradients (fp32), and the whole
+  masked forward is unchanged."""
   p = _layer(params, cfg, "*")
   x = jnp.asarray(np.random.RandomState(4).randn(2, T, cfg.hidden_size), jnp.float32)
   whole = cfg.replace(attention_query_block=T)
@@ -133,7 +134,8 @@ def test_query_blocked_attention_equals_one_shot(cfg, params, T):
   loss = lambda p, c: jnp.sum(jnp.sin(f(p, c)))
   toks = jnp.asarray(np.random.RandomState(5).randint(0, cfg.vocab_size, (2, T)), jnp.int32)
   masks = from_counts(cfg, {"hidden": 24, "mamba_heads": 6, "moe_experts": 6, "moe_ffn": 12})
-  for other in (cfg.replace(attention_query_block=4), cfg.replace(attention_impl="dot_product")):
+  for other in (cfg.replace(attention_query_block=4), cfg.replace(attention_impl="dot_product"),
+                cfg.replace(attention_impl="splash")):
     np.testing.assert_allclose(f(p, other), f(p, whole), rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(jax.grad(loss)(p, other), jax.grad(loss)(p, whole),
                                 rtol=1e-5, atol=1e-5)
@@ -161,14 +163,15 @@ def test_query_blocked_attention_memory_is_linear_in_length(cfg, params):
 def test_segment_packing_computes_each_document_alone(cfg, params):
   """segment_packing: a packed row (documents each starting with bos) gives, at every
   position, the logits of its document run alone: attention (query blocks and
-  dot_product_attention), the Mamba conv and the SSM state stop at each start (query blocks
+  dot_product_attention, splash), the Mamba conv and the SSM state stop at each start (query blocks
   of 4 and SSD chunks of 4 cross the document edges); masked budgets and the scanned stack
   too; the packed row without it does not."""
   rs = np.random.RandomState(4)
   docs = np.concatenate([np.ones((4, 1), np.int32), rs.randint(3, cfg.vocab_size, (4, 4))], 1)
   row = docs.reshape(1, -1)
   masks = from_counts(cfg, {"hidden": 24, "mamba_heads": 4, "moe_experts": 6})
-  for impl, m in (("blocked", None), ("blocked", masks), ("dot_product", None)):
+  for impl, m in (("blocked", None), ("blocked", masks), ("dot_product", None),
+                  ("splash", None)):
     pcfg = cfg.replace(segment_packing=True, attention_impl=impl, attention_query_block=4)
     packed = np.asarray(apply(params, row, m, config=pcfg))[0]
     alone = np.asarray(apply(params, docs, m, config=pcfg)).reshape(packed.shape)

@@ -182,31 +182,69 @@ def test_ssd_kernels_lower_for_tpu_and_gpu(platform, backend):
 
 
 def test_gmm_megablox_lowers_for_tpu():
+  """Forward and backward at nano_v3's expert shapes (hidden 2688 = 21 x 128, expert width 1856
+  = 14.5 x 128): the backward's transposed problem reuses the tiling, so the widths are padded
+  to whole 128-lane tiles (a whole-dim 1856 tile applied to 2688 failed Mosaic's lowering)."""
   s = jax.ShapeDtypeStruct
-  f = lambda l, r, g: jnp.sum(jnp.square(gmm_lib.gmm(l, r, g, backend="megablox",
-                                                        interpret=False)))
-  args = (s((512, 256), jnp.bfloat16), s((8, 256, 128), jnp.bfloat16), s((8,), jnp.int32))
-  text = jax.jit(jax.grad(f, argnums=(0, 1))).trace(*args).lower(
+  f = lambda l, u, d, g: jnp.sum(jnp.square(gmm_lib.gmm(
+      gmm_lib.gmm(l, u, g, backend="megablox", interpret=False), d, g, backend="megablox",
+      interpret=False)))
+  args = (s((512, 2688), jnp.bfloat16), s((8, 2688, 1856), jnp.bfloat16),
+          s((8, 1856, 2688), jnp.bfloat16), s((8,), jnp.int32))
+  text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(*args).lower(
       lowering_platforms=("tpu",)).as_text()
-  assert text.count("tpu_custom_call") >= 3      # gmm, and the backward's gmm and tgmm
+  assert text.count("tpu_custom_call") >= 6      # per projection: gmm, backward gmm and tgmm
 
 
-def test_train_step_with_pallas_kernels_equals_xla(cfg, params, tokens):
+def _pallas_calls(jaxpr, inside: bool = False) -> tuple[int, int]:
+  """(pallas_calls outside any shard_map, inside one) in `jaxpr` and its sub-jaxprs."""
+  counts = [0, 0]
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      counts[inside] += 1
+      continue
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+        if inner is not None:
+          c = _pallas_calls(getattr(inner, "jaxpr", inner),
+                            inside or e.primitive.name == "shard_map")
+          counts = [counts[0] + c[0], counts[1] + c[1]]
+  return tuple(counts)
+
+
+@pytest.mark.parametrize("mesh_spec", [None, "data:2"])
+def test_train_step_with_pallas_kernels_equals_xla(cfg, params, tokens, mesh_spec):
   """The elastic phase's step loss at the small budget, SSD and ragged MoE through the
   kernels (interpreted): loss and every gradient, the router's included, equal the XLA path's,
   with straight-through hard masks (0 on dropped heads, not in gradient: the hard case; soft
-  masks are nowhere 0, so every head is computed either way)."""
+  masks are nowhere 0, so every head is computed either way). Also with the batch split over
+  a mesh, where both kernels run per token shard (GSPMD cannot partition a Pallas call)."""
+  import contextlib
+  from elastic_jax.parallel import mesh as mesh_lib
+  from elastic_jax.parallel import sharding as shd
+  from elastic_jax.parallel.rules import DEFAULT_RULES
   rc = R.RouterConfig(hidden=8)
   state = {"model": phases.to_stack_layout(params, cfg), "router": R.init(cfg, rc,
                                                                            jax.random.PRNGKey(0))}
   args = (tokens, state["model"], jnp.int32(1), jnp.int32(0), jax.random.PRNGKey(0))
 
-  def run(kernels):
-    c = cfg.replace(kernels=kernels)
+  def run(kernels, mesh=None):   # with the Pallas kernels, splash attention too
+    c = cfg.replace(kernels=kernels, attention_impl="splash" if kernels == "pallas" else "blocked")
     loss_fn = phases.elastic_step_loss(c, rc, 10, moe_impl="ragged", hard_prob=1.0)
-    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state, *args)
+    a = args
+    if mesh is not None:
+      rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+      a = (jax.device_put(tokens, rows),) + args[1:]
+    with shd.activation_context(mesh, DEFAULT_RULES) if mesh else contextlib.nullcontext():
+      f = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+      if mesh is not None:   # Mosaic / Triton calls only inside shard_map islands
+        outside, inside = _pallas_calls(f.trace(state, *a).jaxpr.jaxpr)
+        assert outside == 0 and inside > 0, (outside, inside)
+      return f(state, *a)
 
-  (loss_p, _), g_p = run("pallas")
+  mesh = None if mesh_spec is None else mesh_lib.make_mesh(mesh_spec, jax.devices()[:2])
+  (loss_p, _), g_p = run("pallas", mesh)
   (loss_x, _), g_x = run("xla")
   np.testing.assert_allclose(loss_p, loss_x, rtol=1e-5)
   chex.assert_trees_all_close(g_p, g_x, rtol=1e-4, atol=1e-6)
@@ -245,3 +283,20 @@ def test_kernels_benchmark_quick(tmp_path):
                    ("MoE gmm", "megablox masked"): 2, ("MoE gmm", "megablox sliced"): 2}, paths
   for row in rows:
     assert float(row[5]) > 0 and float(row[6].strip(" %")) > 0, row
+
+
+def test_splash_attention_lowers_for_tpu():
+  """Forward and backward of the splash path at nano_v3's attention shapes (2 KV heads x 16
+  query heads of 128) lower for TPU as Mosaic kernels when built for a TPU
+  (`platform.target`: not interpreted)."""
+  from elastic_jax.model import attention as attn_lib
+  from pallas_kernels import platform
+  s = jax.ShapeDtypeStruct
+  args = (s((1, 1024, 2, 16, 128), jnp.bfloat16), s((1, 1024, 2, 128), jnp.bfloat16),
+          s((1, 1024, 2, 128), jnp.bfloat16))
+  f = lambda q, k, v: jnp.sum(jnp.square(attn_lib.attend_splash(q, k, v, 512).astype(
+      jnp.float32)))
+  with platform.target("tpu"):
+    text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("tpu",)).as_text()
+  assert text.count("tpu_custom_call") >= 3      # forward, and the backward's dq and dkv

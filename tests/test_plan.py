@@ -1,5 +1,6 @@
 """The AOT plan: the real elastic step compiled from ShapeDtypeStructs on a mesh; sharding
 shows in XLA's per-device memory; the CLI prints the table on 64 fake devices."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -92,6 +93,12 @@ def test_plan_inference_table(tmp_path):
     (["--inference", "--formats=int3"], "--formats: ['int3'] not in "),
     (["--inference", "--device_gb=0"], "--device_gb must be > 0, got 0.0"),
     (["--config=/nonexistent.py"], "--config: [Errno 2] No such file or directory"),
+    (["--mesh=fsdp:128"], "--mesh=fsdp:128 needs 128 devices; there are "),
+    (["--batch_axes=data,pipe"],
+     "--batch_axes: ['pipe'] not in ['data', 'fsdp', 'tensor', 'expert']"),
+    pytest.param(["--topology=v5p:2x2x1"], "--topology needs libtpu: pip install 'jax[tpu]'",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None,
+                                          reason="libtpu is installed here")),
 ])
 def test_plan_cli_bad_flags_are_one_line(flags, message):
   r = subprocess.run([sys.executable, "-m", "elastic_jax.plan", "--config=configs/tiny.py",
@@ -99,3 +106,66 @@ def test_plan_cli_bad_flags_are_one_line(flags, message):
   lines = [l for l in r.stderr.splitlines() if not l.startswith(("W", "I"))]
   assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), \
       r.stderr[-2000:]
+
+
+def test_a_plan_for_another_platform_compiles_that_platforms_paths(cfg, params):
+  """Under `platform.target` (what `plan --topology` sets) every choice by platform follows the
+  target, not this CPU host: the MoE's grouped matmul lowered for TPU is XLA's ragged_dot there
+  (the CPU's tiled loop otherwise), and the ragged all-to-all is not emulated."""
+  import jax.numpy as jnp
+  from elastic_jax.inference import generate
+  from elastic_jax.model import moe as moe_lib
+  from elastic_jax.model import moe_parallel
+  from pallas_kernels import gmm, platform, ssd
+  assert platform.current() == "cpu" and moe_parallel.emulate_ragged()
+  assert (gmm.xla_backend(), generate.resolve_matmul("auto")) == ("tiled", "dequant")
+  with platform.target("tpu"):
+    assert platform.current() == "tpu" and not moe_parallel.emulate_ragged()
+    assert (gmm.xla_backend(), gmm.pallas_backend(), ssd.default_backend()) == (
+        "xla", "megablox", "tpu")
+  with platform.target("gpu"):
+    assert (gmm.xla_backend(), generate.resolve_matmul("auto")) == ("xla", "fp8")
+  assert platform.current() == "cpu"
+  with pytest.raises(ValueError, match="platform must be one of"):
+    with platform.target("cuda"):
+      pass
+  p = params["layers"][str(cfg.layer_pattern.index("E"))]["mixer"]
+  x = jnp.ones((2, 8, cfg.hidden_size))
+
+  def lowered():
+    f = lambda p, x: jnp.sum(moe_lib.moe(p, x, cfg, impl="ragged")[0])
+    return jax.jit(jax.grad(f)).trace(p, x).lower(lowering_platforms=("tpu",)).as_text()
+
+  with platform.target("tpu"):
+    assert "ragged_dot" in lowered()
+  assert "ragged_dot" not in lowered()
+
+
+def test_batch_axes_replace_only_the_batch_rule():
+  from elastic_jax.parallel.rules import DEFAULT_RULES, with_batch_axes
+  rules = with_batch_axes(DEFAULT_RULES, ["data", "fsdp", "expert"])
+  assert rules[0] == ("batch", ("data", "fsdp", "expert"))
+  assert rules[1:] == tuple(map(tuple, DEFAULT_RULES))[1:]
+
+
+def test_a_step_the_compiler_refuses_is_a_row_saying_why(run_config, monkeypatch):
+  """XLA:TPU refuses to compile a step whose temporaries exceed the chip's HBM: the plan prints
+  that as the mesh's row (what the compiler said) and goes on; other errors still raise."""
+  mesh = M.make_mesh("fsdp:1", jax.devices()[:1])
+  refuse = jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+      "temporaries (116.86G) exceeds available HBM (95.74G).")
+
+  def raises(e):
+    def f(*a, **k):
+      raise e
+    return f
+
+  monkeypatch.setattr(plan_cli, "plan_elastic_step", raises(refuse))
+  assert plan_cli.plan_row(run_config, mesh, "2", 64, 8, True) == (
+      "| 1 | data:1,fsdp:1,tensor:1,expert:1 | 2 | 64 | - | - | - | does not fit "
+      "(temporaries 116.86G > HBM 95.74G) | - | - |")
+  monkeypatch.setattr(plan_cli, "plan_elastic_step",
+                      raises(jax.errors.JaxRuntimeError("INTERNAL: something else")))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+    plan_cli.plan_row(run_config, mesh, "2", 64, 8, True)

@@ -35,6 +35,7 @@ from elastic_jax.elastic.slicing import slice_params
 from elastic_jax.parallel import sharding as shd
 from elastic_jax.model.linear import FP8_MATMUL_LEAVES
 from elastic_jax.quant.qtensor import is_qtensor
+from pallas_kernels import platform
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,7 +71,7 @@ def check_matmul(matmul: str) -> None:
 def resolve_matmul(matmul: str) -> str:
   """"auto" -> "fp8" on a GPU backend, else "dequant"; other values as they are."""
   if matmul == "auto":
-    return "fp8" if jax.default_backend() == "gpu" else "dequant"
+    return "fp8" if platform.current() == "gpu" else "dequant"
   return matmul
 
 

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
 from elastic_jax.model import linear
+from elastic_jax.model import token_shards
 from elastic_jax.model.norms import channel_score
+from pallas_kernels import platform
 
 
 class Attention(nn.Module):
@@ -90,6 +92,48 @@ def attend_causal(q_BTKRd, k_BTKd, v_BTKd, block: int, seg_BT=None):
   return jnp.moveaxis(out, 0, 1).reshape(B, n * block, *out.shape[3:])[:, :T]
 
 
+SPLASH_LANES = 128   # splash's kv blocks are whole 128-lane tiles on a TPU
+
+
+def attend_splash(q_BTKRd, k_BTKd, v_BTKd, block: int, seg_BT=None):
+  """Causal attention through the TPU's splash kernel (`jax.experimental.pallas.ops.tpu.
+  splash_attention`; run in Pallas' interpreter when building for CPU): a multi-query call per
+  (batch row, KV head) over its R query heads, blocks of up to `block` queries and keys, fp32
+  softmax inside the kernel, its own backward kernels; no [T, T] scores anywhere. Blocks are
+  whole 128-lane tiles (`block` rounded up); T is padded to whole blocks (padded keys come
+  after every real query, so the causal mask hides them); with `seg_BT` (document ids)
+  queries attend within their document. On a mesh it runs per token shard
+  (`token_shards.run`): XLA cannot partition a Mosaic call. Equals `attend_causal`."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  B, T, K, R, d = q_BTKRd.shape
+  lanes = lambda n: -(-n // SPLASH_LANES) * SPLASH_LANES
+  blk = min(lanes(block), lanes(T))
+  Tp = -(-T // blk) * blk
+  sizes = sk.BlockSizes(block_q=blk, block_kv=blk, block_q_dkv=blk, block_kv_dkv=blk,
+                        block_q_dq=blk, block_kv_dq=blk)
+  kernel = sk.make_splash_mqa_single_device(
+      sm.MultiHeadMask([sm.CausalMask((Tp, Tp))] * R), block_sizes=sizes,
+      interpret=platform.current() == "cpu")
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, Tp - T)) + ((0, 0),) * (a.ndim - 2))
+  rows = {"q": jnp.moveaxis(pad(q_BTKRd * (d ** -0.5)), 1, 3),     # [B, K, R, Tp, d]
+          "k": jnp.moveaxis(pad(k_BTKd), 1, 2), "v": jnp.moveaxis(pad(v_BTKd), 1, 2),
+          "seg": None if seg_BT is None else jnp.pad(seg_BT, ((0, 0), (0, Tp - T)),
+                                                     constant_values=-1)}
+
+  def fn(r):
+    def one(q_RTd, k_Td, v_Td, seg_T):
+      ids = None if seg_T is None else sk.SegmentIds(q=seg_T, kv=seg_T)
+      return kernel(q_RTd, k_Td, v_Td, segment_ids=ids)
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    seg_axis = None if r["seg"] is None else 0
+    out = jax.vmap(per_head, in_axes=(0, 0, 0, seg_axis))(r["q"], r["k"], r["v"], r["seg"])
+    return out, {}, {}
+
+  out_BKRTd = token_shards.run(fn, (rows,), (), check_vma=False)[0]
+  return jnp.moveaxis(out_BKRTd, 3, 1)[:, :T].astype(q_BTKRd.dtype)
+
+
 def init_state(c: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
   """Empty KV cache with room for `max_len` tokens."""
   shape = (batch, max_len, c.num_kv_heads, c.head_dim)
@@ -121,6 +165,8 @@ def attention(p: dict, x_BTD, c: ModelConfig, state=None, pos=None, key_valid_BS
     same = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
     out = jax.nn.dot_product_attention(q.reshape(B, T, Hkv * rep, c.head_dim), k, v,
                                        mask=same, is_causal=True)
+  elif state is None and c.attention_impl == "splash":
+    out = attend_splash(q, k, v, c.attention_query_block, seg)
   elif state is None:
     out = attend_causal(q, k, v, c.attention_query_block, seg)
   else:

@@ -16,6 +16,7 @@ from elastic_jax.config import ModelConfig
 from elastic_jax.model import initializers as init
 from elastic_jax.model import linear
 from elastic_jax.model.norms import channel_score, gated_group_rms_norm
+from elastic_jax.model import token_shards
 from elastic_jax.model.ssd import ssd_chunked, ssd_sequential
 from pallas_kernels import ssd as ssd_kernel
 
@@ -112,6 +113,21 @@ def init_state(c: ModelConfig, batch: int, dtype=None) -> dict:
           "ssm": jnp.zeros((batch, G, H, P, N), jnp.float32)}
 
 
+def _kernel_ssd(xs, dt, A, Bm, Cm, chunk_size: int, h0, D, head_mask_GH):
+  """The Pallas SSD kernel (`pallas_kernels.ssd.ssd`) on each token shard's own sequences
+  (`token_shards.run`): GSPMD cannot partition a Mosaic or Triton call. The island is untyped
+  (the kernel declares its outputs without shard_map's varying-axes types)."""
+  rows = {"x": xs, "dt": dt, "B": Bm, "C": Cm, "h0": h0}
+  whole = {"A": A, "D": D, "keep": head_mask_GH}
+
+  def fn(r, w):
+    out = ssd_kernel.ssd(r["x"], r["dt"], w["A"], r["B"], r["C"], chunk_size, r["h0"], w["D"],
+                         w["keep"])
+    return out, {}, {}
+
+  return token_shards.run(fn, (rows,), (whole,), check_vma=False)[0]
+
+
 def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chunked",
            collect: bool = False, state=None, valid_BT=None, channel_mask_P=None,
            starts_BT=None):
@@ -167,7 +183,7 @@ def mamba2(p: dict, x_BTD, c: ModelConfig, head_mask_GH=None, *, ssd: str = "chu
   if ssd == "chunked" and xs.shape[1] > 1 and c.kernels == "pallas":
     # Heads a hard budget mask drops are skipped by the kernel; its output for them (D x only)
     # is masked below, as the reference's is.
-    y, h = ssd_kernel.ssd(xs, dt, A, Bm, Cm, c.chunk_size, h0, D, head_mask_GH)
+    y, h = _kernel_ssd(xs, dt, A, Bm, Cm, c.chunk_size, h0, D, head_mask_GH)
   else:
     if ssd == "chunked" and xs.shape[1] > 1:
       y, h = ssd_chunked(xs, dt, A, Bm, Cm, c.chunk_size, initial_state=h0, starts_BT=starts_BT)

@@ -25,6 +25,7 @@ from elastic_jax.model import expert_placement
 from elastic_jax.model import initializers as init
 from elastic_jax.model import linear
 from elastic_jax.model import moe_parallel
+from elastic_jax.model import token_shards
 from pallas_kernels import gmm as gmm_lib
 
 MOE_IMPLS = ("dense", "ragged", "gather", "ep", "auto")
@@ -118,9 +119,9 @@ def _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=False):
   return (out, act, y) if with_acts else out
 
 
-def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend="xla"):
-  return moe_parallel.local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
-                                    gmm_backend=gmm_backend)
+def _experts_ragged(p, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend="xla", batch=None):
+  return moe_parallel.sharded_local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F,
+                                            dt_, gmm_backend=gmm_backend, batch=batch)
 
 
 def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
@@ -163,21 +164,27 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     x_amax_T = jnp.max(jnp.abs(x_TD.astype(jnp.float32)), axis=-1)
   if collect and impl != "dense":
     # The same statistics from the routed assignments alone: no [T, E, F] activations.
-    a = moe_parallel.assignments(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
-                                 gmm_backend=gmm_backend)
-    routed = moe_parallel.combine(a, x_TD, dt_)
     E, k = p["up"].shape[0], c.num_experts_per_tok
-    ga = jnp.abs(a["act"].astype(jnp.float32) * a["gate"][:, None])
-    per_b = jax.ops.segment_sum(ga, a["token"] // T, num_segments=B) / (T * k)
-    norm = jnp.linalg.norm(a["y"].astype(jnp.float32), axis=-1)
-    by_expert = lambda v: jax.ops.segment_sum(v, a["expert"], num_segments=E + 1)[:E]
-    # Largest |input| per expert (0 for an expert no token reached).
-    max_by_expert = lambda v: jnp.maximum(
-        jax.ops.segment_max(v, a["expert"], num_segments=E + 1)[:E], 0.0)
-    stats = {"ffn": jnp.sum(jnp.square(per_b), 0), "reap_sum": by_expert(a["gate"] * norm),
-             "norm_sum": by_expert(norm), "count": by_expert(jnp.ones_like(norm)),
-             "amax": {"up": max_by_expert(x_amax_T[a["token"]]),
-                      "down": max_by_expert(jnp.max(jnp.abs(a["act"].astype(jnp.float32)), -1))}}
+
+    def routed_stats(x, g, i, x_amax, up, down):   # on one token shard's whole rows
+      a = moe_parallel.assignments(x, g, i, up, down, ffn_mask_F, dt_, gmm_backend=gmm_backend)
+      ga = jnp.abs(a["act"].astype(jnp.float32) * a["gate"][:, None])
+      per_b = jax.ops.segment_sum(ga, a["token"] // T, num_segments=x.shape[0] // T) / (T * k)
+      norm = jnp.linalg.norm(a["y"].astype(jnp.float32), axis=-1)
+      by_expert = lambda v: jax.ops.segment_sum(v, a["expert"], num_segments=E + 1)[:E]
+      # Largest |input| per expert (0 for an expert no token reached).
+      max_by_expert = lambda v: jnp.maximum(
+          jax.ops.segment_max(v, a["expert"], num_segments=E + 1)[:E], 0.0)
+      sums = {"ffn": jnp.sum(jnp.square(per_b), 0), "reap_sum": by_expert(a["gate"] * norm),
+              "norm_sum": by_expert(norm), "count": by_expert(jnp.ones_like(norm))}
+      maxes = {"up": max_by_expert(x_amax[a["token"]]),
+               "down": max_by_expert(jnp.max(jnp.abs(a["act"].astype(jnp.float32)), -1))}
+      return moe_parallel.combine(a, x, dt_), sums, maxes
+
+    routed, sums, maxes = token_shards.run(
+        routed_stats, (x_TD, gates, idx, x_amax_T), (p["up"], p["down"]),
+        moe_parallel.typed_island(gmm_backend), batch=B)
+    stats = {**sums, "amax": maxes}
   elif collect:
     routed, act, y = _experts_dense(p, x_TD, gates, idx, ffn_mask_F, dt_, with_acts=True)
     E = p["up"].shape[0]
@@ -194,7 +201,7 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
                       "down": jnp.max(jnp.abs(act.astype(jnp.float32)) * hit_TE[..., None],
                                       (0, 2))}}
   else:
-    grouped = {"gmm_backend": gmm_backend} if impl in ("ragged", "ep") else {}
+    grouped = {"gmm_backend": gmm_backend, "batch": B} if impl in ("ragged", "ep") else {}
     if impl == "ep":
       grouped["dispatch"] = c.ep_dispatch
     routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_, **grouped)

@@ -14,15 +14,16 @@ the shards' partial outputs are summed:
   `psum_scatter` each token's sum back to the shard that owns it.
 Weights enter the island gathered over every other axis (FSDP / tensor: one layer's experts at a
 time) and split over `expert`. Outside a mesh with an `expert` axis larger than 1, the same
-function runs the single-device ragged path.
+function runs the ragged path on each token shard (`token_shards.run`; one device: as it is).
 """
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from elastic_jax.model import token_shards
+from pallas_kernels import platform
 from pallas_kernels.gmm import gmm
 
 EXPERT_AXIS = "expert"
@@ -81,16 +82,9 @@ def local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_, first: int | jax.
                  x_TD, dt_)
 
 
-def _batch_axes() -> tuple[str, ...]:
-  """Mesh axes the token batch is split over, from the logical-axis rules in context."""
-  spec = nn.logical_to_mesh_axes(("batch",))
-  axes = spec[0] if len(spec) else None
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def emulate_ragged() -> bool:
-  """Whether the ragged all-to-all is emulated (on a CPU backend, which cannot compile it)."""
-  return jax.default_backend() == "cpu"
+  """Whether the ragged all-to-all is emulated (when building for CPU, which cannot compile it)."""
+  return platform.current() == "cpu"
 
 
 def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
@@ -157,19 +151,38 @@ def _exchange(x, gates, idx, up, down, ffn_mask_F, dt_, gmm_backend):
   return jnp.zeros((T, x.shape[1]), dt_).at[order // k].add(y_sorted * gate[:, None])
 
 
+def typed_island(gmm_backend: str) -> bool:
+  """Whether an island running grouped matmuls on `gmm_backend` can keep shard_map's varying-
+  axes typing (`check_vma`): the shipped Pallas kernels (megablox, tokamax) declare their
+  outputs without it and refuse to trace under it, so their islands run untyped, where
+  shard_map sums the cotangents of inputs that enter whole itself."""
+  return gmm_backend not in ("megablox", "tokamax")
+
+
+def sharded_local_experts(x_TD, gates, idx, up, down, ffn_mask_F, dt_,
+                          gmm_backend: str = "xla", batch: int | None = None):
+  """`local_experts` over every expert, each token shard sorting and running only its own
+  assignments (`token_shards.run`; `batch`: the sequences [T, ...] flattens)."""
+  fn = lambda x, g, i, u, d: (local_experts(x, g, i, u, d, ffn_mask_F, dt_,
+                                            gmm_backend=gmm_backend), {}, {})
+  return token_shards.run(fn, (x_TD, gates, idx), (up, down), typed_island(gmm_backend),
+                          batch)[0]
+
+
 def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str = "xla",
-                   dispatch: str = "auto"):
+                   dispatch: str = "auto", batch: int | None = None):
   """The routed experts' output [T, D], split over the mesh's `expert` axis when there is one.
   `dispatch` (`ModelConfig.ep_dispatch`) picks how tokens split over `expert` reach their
-  experts: "ragged" (`_exchange`), "gather", or "auto" (ragged on GPU / TPU)."""
+  experts: "ragged" (`_exchange`), "gather", or "auto" (ragged on GPU / TPU). `batch`: how many
+  sequences x_TD flattens (token shards take whole ones)."""
   mesh = expert_mesh()
   if mesh is None:
-    return local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
-                         gmm_backend=gmm_backend)
+    return sharded_local_experts(x_TD, gates, idx, p["up"], p["down"], ffn_mask_F, dt_,
+                                 gmm_backend=gmm_backend, batch=batch)
   E, ep = p["up"].shape[0], mesh.shape[EXPERT_AXIS]
   if E % ep:
     raise ValueError(f"{E} routed experts do not split over expert axis of size {ep}")
-  batch = tuple(a for a in _batch_axes() if a in mesh.axis_names)
+  batch = tuple(a for a in token_shards.batch_axes() if a in mesh.axis_names)
   split = EXPERT_AXIS in batch
   rows = P(batch or None)
   ragged = split and (dispatch == "ragged" or (dispatch == "auto" and not emulate_ragged()))
@@ -192,4 +205,5 @@ def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str 
 
   experts = P(EXPERT_AXIS)
   return jax.shard_map(island, mesh=mesh, in_specs=(rows, rows, rows, experts, experts),
+                       check_vma=typed_island(gmm_backend),
                        out_specs=rows)(x_TD, gates, idx, p["up"], p["down"])

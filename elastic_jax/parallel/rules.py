@@ -47,3 +47,9 @@ def validate(rules: Rules, mesh_axes: Sequence[str]) -> tuple:
                        f"{list(mesh_axes)}")
     out.append((name, axes if isinstance(axes, str) or axes is None else tuple(axes)))
   return tuple(out)
+
+
+def with_batch_axes(rules: Rules, axes: Sequence[str]) -> tuple:
+  """`rules` with the "batch" rule mapped to mesh `axes` (e.g. data, fsdp, expert: tokens split
+  over `expert` too, so the expert-parallel MoE sends them to their experts' shards)."""
+  return tuple((n, tuple(axes)) if n == "batch" else (n, a) for n, a in map(tuple, rules))
