@@ -182,9 +182,9 @@ def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str 
   E, ep = p["up"].shape[0], mesh.shape[EXPERT_AXIS]
   if E % ep:
     raise ValueError(f"{E} routed experts do not split over expert axis of size {ep}")
-  batch = tuple(a for a in token_shards.batch_axes() if a in mesh.axis_names)
-  split = EXPERT_AXIS in batch
-  rows = P(batch or None)
+  axes = tuple(a for a in token_shards.batch_axes() if a in mesh.axis_names)
+  split = EXPERT_AXIS in axes
+  rows = P(axes or None)
   ragged = split and (dispatch == "ragged" or (dispatch == "auto" and not emulate_ragged()))
 
   def island(x, g, i, up, down):
