@@ -6,12 +6,15 @@ Random weights (speed does not depend on training) on the scaled Nemotron 3 Nano
 Prefill: `generate.prefill` of a batch of prompts in one chunk; decode: `generate.decode` (the
 jitted one-token step plus the host loop that streaming needs) for a fixed number of tokens.
 Every budget is compiled first, then timed `--reps` times, budgets interleaved (median). MoE
-dispatch: "dense" for prefill (every expert on every token: the fastest on CPU, so prefill time
-follows total rather than active expert weights), "gather" for decode (each token reads only its
-k experts).
+dispatch: "auto" (`model.moe.choose_impl`) unless `--prefill_moe` / `--decode_moe` name one.
+
+`--moe_sweep` measures instead what `choose_impl`'s CPU rule rests on: decode tokens/s with the
+MoE forced to "gather" and to "ragged", in the whole on-device decode loop, per budget and batch
+size (and at the tiny config), alternating which dispatch runs first; writes moe_rule.md.
 
   python experiments/decode_speed.py            # scaled nano_v3, a few minutes on 2 CPU cores
-  python experiments/decode_speed.py --quick    # reduced shape, seconds (CI)
+  python experiments/decode_speed.py --moe_sweep   # ~9 minutes (9 of the 52 layers)
+  python experiments/decode_speed.py --quick [--moe_sweep]   # reduced shape, seconds (CI)
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ def time_prefill_decode(pre, dec, prompts, max_len: int, chunk: int, new_tokens:
 
 
 def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int | None = None,
-        new_tokens: int | None = None, reps: int | None = None, prefill_moe: str = "dense",
-        decode_moe: str = "gather") -> list[dict]:
+        new_tokens: int | None = None, reps: int | None = None, prefill_moe: str = "auto",
+        decode_moe: str = "auto") -> list[dict]:
   """Measures every budget; prints and writes `out/decode_speed.md`; returns the rows."""
   import jax
   import numpy as np
@@ -99,10 +102,85 @@ def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int
   return rows
 
 
+# The sweep's stack: nano_v3's block mix (Mamba, MoE, one attention layer) in 9 of its 52 layers,
+# so the MoE's share of a decode step is the full stack's while compiles take a fifth as long.
+SWEEP_PATTERN = "MEM*EMEME"
+
+
+def moe_sweep(out: str, quick: bool = False, batches=None, reps: int | None = None,
+              new_tokens: int | None = None, prompt_len: int = 64) -> list[dict]:
+  """Decode tokens/s with the MoE forced to "gather" and to "ragged" per (shape, batch):
+  the scaled budgets and the tiny config (quick: the reduced shape's full budget). Prints and
+  writes `out/moe_rule.md`; returns the rows (with g_over_r = gather / ragged tokens/s)."""
+  import jax
+  import numpy as np
+
+  from configs.tiny import MODEL as TINY
+  from elastic_jax.inference import generate as G
+  from scaled import paper_like_budgets, random_params, scaled_config
+
+  batches = tuple(batches or ((1, 4) if quick else (1, 2, 4, 8, 16)))
+  reps = reps or (1 if quick else 7)
+  new_tokens = new_tokens or (4 if quick else 32)
+  fp32 = dict(param_dtype="float32", compute_dtype="float32")
+  scaled = scaled_config(reduced=quick).replace(
+      layer_pattern="M*E" if quick else SWEEP_PATTERN, **fp32)
+  shapes = [(scaled, paper_like_budgets(scaled))]
+  if quick:
+    shapes[0] = (scaled, {"30B-like": {}})
+  else:
+    shapes.append((TINY.replace(**fp32), {"tiny": {}}))
+  rows = []
+  for cfg, budgets in shapes:
+    params = random_params(cfg)
+    for name, counts in budgets.items():
+      pre = G.standalone(params, cfg, counts, name)
+      c = pre.config
+      decs = {impl: G.SubModel(pre.params, c, None, name, moe_impl=impl)
+              for impl in ("gather", "ragged")}
+      for B in batches:
+        prompts = np.random.RandomState(0).randint(5, cfg.vocab_size, (B, prompt_len)).tolist()
+        timed = lambda dec: time_prefill_decode(pre, dec, prompts, prompt_len + new_tokens,
+                                                prompt_len, new_tokens)[1]
+        for dec in decs.values():
+          timed(dec)   # compile
+        t = {impl: [] for impl in decs}
+        for rep in range(reps):
+          for impl in (("gather", "ragged") if rep % 2 else ("ragged", "gather")):
+            t[impl].append(timed(decs[impl]))
+        tok_s = {impl: B * new_tokens / statistics.median(v) for impl, v in t.items()}
+        rows.append({"shape": name, "experts": c.n_routed_experts, "k": c.num_experts_per_tok,
+                     "hidden": c.hidden_size, "expert_width": c.moe_intermediate_size,
+                     "batch": B, "assignments": B * c.num_experts_per_tok,
+                     "gather_tok_s": tok_s["gather"], "ragged_tok_s": tok_s["ragged"],
+                     "g_over_r": tok_s["gather"] / tok_s["ragged"]})
+        print(f"  {name} B{B}: gather {tok_s['gather']:,.1f} ragged {tok_s['ragged']:,.1f} "
+              f"tok/s", flush=True)
+  head = (f"Decode tokens/s by MoE dispatch, whole on-device decode loop, fp32, "
+          f"{jax.devices()[0].platform} ({os.cpu_count()} cores), prompt {prompt_len}, "
+          f"{new_tokens} new tokens, median of {reps} (dispatches alternating first); scaled "
+          f"shapes in {scaled.num_layers} layers ({scaled.layer_pattern}).")
+  table = ["| shape | experts | k | hidden | expert width | batch | T*k | gather tok/s | "
+           "ragged tok/s | gather / ragged |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    table.append(f"| {r['shape']} | {r['experts']} | {r['k']} | {r['hidden']} | "
+                 f"{r['expert_width']} | {r['batch']} | {r['assignments']} | "
+                 f"{r['gather_tok_s']:,.1f} | {r['ragged_tok_s']:,.1f} | {r['g_over_r']:.2f} |")
+  text = head + "\n\n" + "\n".join(table) + "\n"
+  print(text)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "moe_rule.md"), "w") as f:
+    f.write("# MoE dispatch in decode: gather vs ragged\n\n" + text)
+  return rows
+
+
 def main(argv):
   del argv
   from absl import flags
   F = flags.FLAGS
+  if F.moe_sweep:
+    moe_sweep(F.out, F.quick, F.batches and [int(b) for b in F.batches], F.reps, F.new_tokens)
+    return
   run(F.out, F.quick, F.batch, F.prompt_len, F.new_tokens, F.reps, F.prefill_moe, F.decode_moe)
 
 
@@ -114,6 +192,10 @@ if __name__ == "__main__":
   flags.DEFINE_integer("prompt_len", None, "prompt tokens (default 128; quick 32)")
   flags.DEFINE_integer("new_tokens", None, "decoded tokens per row (default 32; quick 8)")
   flags.DEFINE_integer("reps", None, "timed repetitions (default 5; quick 1)")
-  flags.DEFINE_enum("prefill_moe", "dense", ["dense", "ragged", "gather"], "MoE dispatch, prefill")
-  flags.DEFINE_enum("decode_moe", "gather", ["dense", "ragged", "gather"], "MoE dispatch, decode")
+  flags.DEFINE_enum("prefill_moe", "auto", ["auto", "dense", "ragged", "gather"],
+                    "MoE dispatch, prefill")
+  flags.DEFINE_enum("decode_moe", "auto", ["auto", "dense", "ragged", "gather"],
+                    "MoE dispatch, decode")
+  flags.DEFINE_bool("moe_sweep", False, "gather vs ragged decode per shape and batch instead")
+  flags.DEFINE_list("batches", None, "the sweep's batch sizes (default 1,2,4,8,16; quick 1,4)")
   app.run(main)

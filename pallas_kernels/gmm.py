@@ -9,10 +9,11 @@ other shards' assignments are parked there). No kernel here is hand-written:
 - "megablox": `jax.experimental.pallas.ops.tpu.megablox` (Mosaic TPU; its custom VJP computes
   the weight gradient with `tgmm`); on CPU it runs in interpret mode (tests);
 - "tokamax": `tokamax.ragged_dot(implementation="triton")` on GPU (`pip install tokamax`, the
-  `gpu` extra; it refuses to trace off a GPU, so CPU tests cannot cover it).
-Budget-aware as the kernels are: an expert a budget drops is never routed to, so its group is
-empty and megablox visits no tile of it. A masked expert width (a traced mask) is still a
-full-width matmul: the width shrinks only in the sliced sub-model, whose weights are narrower.
+  `gpu` extra; it refuses to trace off a GPU, so the CPU tests lower it for CUDA only).
+Budget-aware: an expert a budget drops is never routed to, so its group is empty and megablox
+visits no tile of it; with kernels="pallas" a hard expert-width mask runs the matmuls on the
+weights sliced to the narrowest configured width that holds its kept columns
+(`model.moe.narrow_width`, a branch per width: the kernels take static shapes).
 """
 from __future__ import annotations
 
@@ -96,5 +97,10 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, backend: str = "xla",
       interpret = platform_lib.current() != "tpu"
     return _megablox(lhs_MK, rhs_GKN, group_sizes_G, out_dtype, interpret)
   import tokamax
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    # tokamax reads its options from absl flags and would parse sys.argv itself, failing on a
+    # host program's own arguments (a notebook's, pytest's): take every flag's default instead.
+    flags.FLAGS.mark_as_parsed()
   return tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=out_dtype,
                             implementation="triton")

@@ -260,6 +260,11 @@ def test_decode_speed_experiment_quick(tmp_path):
   assert rows[2]["active_ratio"] < rows[1]["active_ratio"] < 1
   assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
   assert (tmp_path / "decode_speed.md").read_text().count("\n| ") >= 4
+  sweep = _script("decode_speed").moe_sweep(str(tmp_path), quick=True)
+  assert [(r["batch"], r["assignments"]) for r in sweep] == [(1, 6), (4, 24)]
+  for r in sweep:
+    assert r["g_over_r"] == pytest.approx(r["gather_tok_s"] / r["ragged_tok_s"])
+  assert (tmp_path / "moe_rule.md").read_text().count("\n| ") == 3   # header, two rows
 
 
 def test_generate_cli_streams(tiny_ckpt):

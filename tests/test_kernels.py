@@ -13,6 +13,7 @@ import pytest
 
 from elastic_jax.elastic import router as R
 from elastic_jax.inference import generate as G
+from elastic_jax.model import moe as moe_lib
 from elastic_jax.model.ssd import ssd_sequential
 from elastic_jax.training import phases
 from pallas_kernels import gmm as gmm_lib
@@ -196,6 +197,24 @@ def test_gmm_megablox_lowers_for_tpu():
   assert text.count("tpu_custom_call") >= 6      # per projection: gmm, backward gmm and tgmm
 
 
+def test_gmm_tokamax_lowers_for_gpu(monkeypatch):
+  """tokamax's Triton ragged_dot, forward and backward at nano_v3's expert shapes, lowered for
+  CUDA on this CPU. tokamax asks the local device whether Triton runs there (it refuses a CPU),
+  so the test answers yes for it: the lowering itself is what a GPU would compile."""
+  pytest.importorskip("tokamax")   # a test extra; skipped only where the extras are not installed
+  from tokamax._src.ops.ragged_dot import pallas_triton
+  monkeypatch.setattr(pallas_triton.PallasTritonRaggedDot, "supported_on", lambda self, d: True)
+  assert gmm_lib.pallas_backend("gpu") == "tokamax"
+  s = jax.ShapeDtypeStruct
+  f = lambda l, u, d, g: jnp.sum(jnp.square(gmm_lib.gmm(
+      gmm_lib.gmm(l, u, g, backend="tokamax"), d, g, backend="tokamax").astype(jnp.float32)))
+  args = (s((512, 2688), jnp.bfloat16), s((8, 2688, 1856), jnp.bfloat16),
+          s((8, 1856, 2688), jnp.bfloat16), s((8,), jnp.int32))
+  text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") >= 6, "per projection: forward, d(lhs), d(rhs)"
+
+
 def _pallas_calls(jaxpr, inside: bool = False) -> tuple[int, int]:
   """(pallas_calls outside any shard_map, inside one) in `jaxpr` and its sub-jaxprs."""
   counts = [0, 0]
@@ -250,12 +269,51 @@ def test_train_step_with_pallas_kernels_equals_xla(cfg, params, tokens, mesh_spe
   chex.assert_trees_all_close(g_p, g_x, rtol=1e-4, atol=1e-6)
 
 
+def test_kept_width():
+  widths = (8, 12, 16)
+  prefix = lambda n: (jnp.arange(16) < n).astype(jnp.float32)
+  got = [int(moe_lib.kept_width(m, widths)) for m in (
+      prefix(12), prefix(10), prefix(8), prefix(16), jnp.full((16,), 0.3), prefix(0))]
+  assert got == [1, 1, 0, 2, 2, 0]   # a soft mask (nowhere 0) keeps every column
+
+
+@pytest.mark.parametrize("impl", ["ragged", "dense", "gather"])
+def test_masked_expert_width_is_not_computed(cfg, params, impl):
+  """kernels="pallas" with a hard expert-width mask (10 of 16 columns): the forward and the
+  backward multiply only the narrowest configured width holding the kept columns (12), so NaN
+  weights past it reach nothing, and output and gradients (the mask's included) equal the XLA
+  path's, which computes every column."""
+  p = params["layers"][str(cfg.layer_pattern.index("E"))]["mixer"]
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, cfg.hidden_size))
+  em = (jnp.arange(cfg.n_routed_experts) < 6).astype(jnp.float32)
+  fm = (jnp.arange(cfg.moe_intermediate_size) < 10).astype(jnp.float32)
+  nan_past = lambda q: dict(q, up=q["up"].at[..., 12:].set(jnp.nan),
+                            down=q["down"].at[:, 12:].set(jnp.nan))
+  w = jax.random.normal(jax.random.PRNGKey(4), x.shape)
+
+  def loss(c, q):
+    return lambda up, down, x, m: jnp.sum(
+        moe_lib.moe(dict(q, up=up, down=down), x, c, em, m, impl=impl)[0] * w)
+
+  def value_and_grads(c, q):
+    return jax.value_and_grad(loss(c, q), argnums=range(4))(q["up"], q["down"], x, fm)
+
+  got = value_and_grads(cfg.replace(kernels="pallas"), nan_past(p))
+  want = value_and_grads(cfg, p)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  chex.assert_trees_all_close(got[1], want[1], rtol=1e-4, atol=1e-6)
+
+
 def test_generation_with_pallas_kernels_equals_xla(cfg, params, tokens):
   """Batched greedy generation (prefill through the SSD kernel from a cached state, then
-  decode) gives the XLA path's tokens."""
+  decode) gives the XLA path's tokens, the full parent and the parent masked to a budget."""
   prompts = [list(np.asarray(tokens[0, :9])), list(np.asarray(tokens[1, :5]))]
   out = {k: G.generate(G.SubModel(params, cfg.replace(kernels=k)), prompts, 5, max_len=24,
                        chunk=4) for k in ("pallas", "xla")}
+  assert out["pallas"] == out["xla"]
+  small = {"hidden": 24, "mamba_heads": 4, "moe_experts": 4, "moe_ffn": 8}   # widths narrowed
+  out = {k: G.generate(G.parent_at_budget(params, cfg.replace(kernels=k), small), prompts, 5,
+                       max_len=24, chunk=4) for k in ("pallas", "xla")}
   assert out["pallas"] == out["xla"]
   with pytest.raises(ValueError, match="kernels"):
     cfg.replace(kernels="triton")

@@ -69,19 +69,24 @@ def test_dense_equals_sparse_dispatch(cfg, params, masked, impl):
 
 
 def test_auto_dispatch_follows_the_measured_rule(cfg, params):
-  """"auto": gather while tokens * k <= experts (8 experts, top-2 here: up to 4 tokens), then
-  ragged (the tiled grouped matmul on CPU), ep inside a mesh with an expert axis; its output is
-  the chosen path's."""
-  assert [moe_lib.choose_impl(t, cfg) for t in (1, 4, 5, 64)] == [
-      "gather", "gather", "ragged", "ragged"]
+  """"auto": on CPU ragged (the tiled grouped matmul) at every size; for GPU / TPU gather while
+  tokens * k <= experts (8 experts, top-2 here: up to 4 tokens), then ragged; ep inside a mesh
+  with an expert axis; its output is the chosen path's."""
+  from pallas_kernels import platform as platform_lib
+  assert [moe_lib.choose_impl(t, cfg) for t in (1, 4, 5, 64)] == ["ragged"] * 4
+  for accelerator in ("gpu", "tpu"):
+    with platform_lib.target(accelerator):
+      assert [moe_lib.choose_impl(t, cfg) for t in (1, 4, 5, 64)] == [
+          "gather", "gather", "ragged", "ragged"]
   from elastic_jax.parallel import mesh as mesh_lib
   with jax.set_mesh(mesh_lib.make_mesh("fsdp:2,expert:4")):
     assert moe_lib.choose_impl(1, cfg) == "ep"
   p = _moe_params(params, cfg)
-  for T, chosen in ((2, "gather"), (7, "ragged")):
+  for T, plat, chosen in ((2, "gpu", "gather"), (2, "cpu", "ragged"), (7, "cpu", "ragged")):
     x = jax.random.normal(jax.random.PRNGKey(1), (2, T, cfg.hidden_size))
-    np.testing.assert_array_equal(moe_lib.moe(p, x, cfg, impl="auto")[0],
-                                  moe_lib.moe(p, x, cfg, impl=chosen)[0])
+    with platform_lib.target(plat):
+      np.testing.assert_array_equal(moe_lib.moe(p, x, cfg, impl="auto")[0],
+                                    moe_lib.moe(p, x, cfg, impl=chosen)[0])
 
 
 def test_bad_impl(cfg, params):

@@ -43,8 +43,8 @@ class SubModel:
   """A model that generates: params + config, and masks when it is the parent at a budget.
 
   Compared by identity: two slices are "the same model" only if they are one object.
-  `moe_impl` "auto" picks the MoE dispatch per call shape (`model.moe.choose_impl`): decode
-  steps of a few rows read only their routed experts ("gather"), prefill computes in bulk."""
+  `moe_impl` "auto" picks the MoE dispatch per call shape and platform
+  (`model.moe.choose_impl`)."""
   params: Any
   config: ModelConfig
   masks: BudgetMasks | None = None

@@ -9,7 +9,9 @@ with `kernels="pallas"` the platform's kernel, `pallas_kernels.gmm`), "gather" (
 gathers its k experts' weights: reads only active weights, for decoding a few tokens at a
 time) and "ep" (expert parallel: "ragged" on each shard of the mesh's `expert` axis,
 `model/moe_parallel.py`);
-"auto" picks one by the number of tokens and the mesh (`choose_impl`, a measured rule).
+"auto" picks one by the platform, the number of tokens and the mesh (`choose_impl`, a measured
+rule). With `kernels="pallas"` a hard expert-width mask multiplies only the kept columns
+(`narrow_width`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from elastic_jax.model import linear
 from elastic_jax.model import moe_parallel
 from elastic_jax.model import token_shards
 from pallas_kernels import gmm as gmm_lib
+from pallas_kernels import platform as platform_lib
 
 MOE_IMPLS = ("dense", "ragged", "gather", "ep", "auto")
 
@@ -34,21 +37,25 @@ MOE_IMPLS = ("dense", "ragged", "gather", "ep", "auto")
 def choose_impl(tokens: int, c: ModelConfig) -> str:
   """The dispatch "auto" runs for `tokens` tokens (static at trace time).
 
-  Measured on this project's 2-core CPU (fp32, median of 3; D 336, F 232, E 32, k 6;
-  `experiments/speed.py` times the whole model):
-  - "gather" reads only the routed experts' weights and wins while the T*k assignments are no
-    more than the experts: at T 2 1.2 ms against 1.8 ragged and 5.7 dense; equal to ragged at
-    T 4 (2.5 ms); at T 8 4.4 against 2.8 ragged; at T 16 73 against 5.8 (at E 128: 8.4 ms
-    against dense 44.5 at T 8, 65 against 45 at T 32);
-  - above that "ragged": on CPU its grouped matmul is the tiled loop (`pallas_kernels.gmm_tiled`;
-    XLA:CPU's own ragged_dot computes every expert for every row, 3.8-4.5x slower than dense),
-    which beats dense at every size measured: T 64 9.8 against 19 ms, T 512 44 against 201
-    (backward 99 against 201); at the tiny config (E 8, k 2) T 512 1.9 against 4.2 ms forward,
-    4.3 against 12.9 backward. On GPU / TPU the grouped-matmul kernels (not measured here, no
-    accelerator was lent); "ep" inside a mesh with an `expert` axis.
+  "ep" inside a mesh with an `expert` axis. On CPU "ragged" at every size: its grouped matmul
+  is the tiled loop (`pallas_kernels.gmm_tiled`; XLA:CPU's own ragged_dot computes every expert
+  for every row, 3.8-4.5x slower than dense). Measured on this project's 2-core CPU (fp32):
+  - against "gather", in the whole on-device decode loop (`experiments/decode_speed.py
+    --moe_sweep`, results/moe_rule.md; median of 7, tokens/s gather / ragged over the scaled
+    nano_v3 slices, E 16-32, k 6, and the tiny config, E 8, k 2): one token per row 1.01-1.04
+    (a tie on this machine), two 0.93-1.02, then ragged wins more with every row (four rows
+    0.76-0.87, eight 0.55-0.63, sixteen 0.38-0.50);
+  - against "dense" in the whole model (`experiments/speed.py`): T 64 9.8 against 19 ms, T 512
+    44 against 201 (backward 99 against 201) at E 32, k 6; at the tiny config (E 8, k 2) T 512
+    1.9 against 4.2 ms forward, 4.3 against 12.9 backward.
+  On GPU / TPU (not measured here, no accelerator was lent): "gather" while the T*k assignments
+  are no more than the experts (it reads only the routed experts' weights, a memory-bound
+  decode's cost), else "ragged" on the platform's grouped-matmul kernel.
   """
   if moe_parallel.expert_mesh() is not None:
     return "ep"
+  if platform_lib.current() == "cpu":
+    return "ragged"
   return "gather" if tokens * c.num_experts_per_tok <= c.n_routed_experts else "ragged"
 
 
@@ -132,6 +139,30 @@ def _experts_gather(p, x_TD, gates, idx, ffn_mask_F, dt_):
   return jnp.einsum("tk,tkd->td", gates.astype(dt_), y)
 
 
+def kept_width(ffn_mask_F, widths: tuple[int, ...]) -> jax.Array:
+  """Index into `widths` (ascending, the last the full width) of the narrowest that holds
+  every nonzero column of the mask: a hard prefix mask's own width, the full width for a soft
+  mask (nowhere 0)."""
+  F = ffn_mask_F.shape[-1]
+  last = jnp.max(jnp.where(ffn_mask_F != 0, jnp.arange(1, F + 1), 0))
+  return jnp.searchsorted(jnp.asarray(widths, jnp.int32), last).astype(jnp.int32)
+
+
+def narrow_width(experts, widths: tuple[int, ...]):
+  """`experts(up [E,D,F], down [E,F,D], x, gates, idx, ffn_mask_F) -> out` as a function that
+  multiplies only the columns a budget keeps: one branch per width in `widths` (the config's
+  expert-width choices), each with the weights sliced to it, the mask choosing (`kept_width`).
+  Exact in values and gradients: the mask multiplies before relu^2, whose derivative is 0 at
+  0, so a column the mask zeroes contributes nothing and gets no gradient (its weights' and the
+  mask's own are 0 on the full width too)."""
+  def at(w):
+    return lambda up, down, x, g, i, m: experts(up[..., :w], down[:, :w], x, g, i, m[:w])
+
+  def f(up, down, x, g, i, m):
+    return jax.lax.switch(kept_width(m, widths), [at(w) for w in widths], up, down, x, g, i, m)
+  return f
+
+
 _EXPERTS = {"dense": _experts_dense, "ragged": _experts_ragged, "gather": _experts_gather,
             "ep": moe_parallel.routed_experts}
 
@@ -204,7 +235,13 @@ def moe(p: dict, x_BTD, c: ModelConfig, expert_mask_E=None, ffn_mask_F=None, *,
     grouped = {"gmm_backend": gmm_backend, "batch": B} if impl in ("ragged", "ep") else {}
     if impl == "ep":
       grouped["dispatch"] = c.ep_dispatch
-    routed = _EXPERTS[impl](p, x_TD, gates, idx, ffn_mask_F, dt_, **grouped)
+    experts = lambda up, down, x, g, i, m: _EXPERTS[impl](
+        {"up": up, "down": down}, x, g, i, m, dt_, **grouped)
+    F = p["up"].shape[-1]
+    widths = sorted({w for w in c.moe_ffn_choices if w < F} | {F})
+    if c.kernels == "pallas" and impl != "ep" and ffn_mask_F is not None and len(widths) > 1:
+      experts = narrow_width(experts, tuple(widths))
+    routed = experts(p["up"], p["down"], x_TD, gates, idx, ffn_mask_F)
   if stats is not None and placed:  # per-expert statistics back in logical order
     inv = np.argsort(perm)
     stats = jax.tree_util.tree_map_with_path(
