@@ -3,7 +3,8 @@
 For each op, the XLA path (`elastic_jax.model.ssd.ssd_chunked`, `jax.lax.ragged_dot`) and the
 kernel path (`pallas_kernels.ssd`, `pallas_kernels.gmm`: megablox on TPU, tokamax on GPU) at
 each budget level of nano_v3's choices, as the masked parent (full shapes, the budget's heads /
-experts masked) and as the sliced sub-model (the budget's shapes): median wall time, TFLOP/s
+experts masked; the kernel path skips masked heads and narrows a masked expert width) and as
+the sliced sub-model (the budget's shapes): median wall time, TFLOP/s
 of the budget's useful work and its fraction of this device's measured matmul peak (a square
 matmul timed here, bf16 on accelerators, fp32 on CPU).
 
@@ -39,6 +40,7 @@ def main(argv):
   import numpy as np
 
   from configs import model_config
+  from elastic_jax.model import moe as moe_lib
   from elastic_jax.model.ssd import ssd_chunked
   from pallas_kernels import gmm as gmm_lib
   from pallas_kernels import ssd as ssd_lib
@@ -107,13 +109,27 @@ def main(argv):
   backend = gmm_lib.pallas_backend()
   gmm = lambda b: jax.jit(lambda l, r, s: gmm_lib.gmm(l, r, s, backend=b))
   rng = np.random.default_rng(0)
+  # The masked parent with kernels=pallas runs the branch of `moe.narrow_width` that the width
+  # mask picks: every expert's weights sliced to the budget's width (dropped experts: empty
+  # groups); with kernels=xla the whole width, the mask applied after. (The product is summed
+  # over its columns here, so that every width's branch has one output shape.)
+  widths = tuple(sorted({f for _, f in budgets} | {F}))
+  mask_of = lambda f: (jnp.arange(F) < f).astype(dtype)
+  narrowed = lambda b: jax.jit(lambda l, r, s, m: moe_lib.narrow_width(
+      lambda up, down, x, g, i, mm: jnp.sum(gmm_lib.gmm(x, up, i, backend=b) * mm, -1),
+      widths)(r, r[..., :1].swapaxes(1, 2), l, None, s, m))
   for e, f in budgets:
     sizes = np.bincount(rng.integers(0, e, tokens * k), minlength=E).astype(np.int32)
     flops = 2 * tokens * k * D * f
     budget = f"{e} experts x {f}"
     for path, b in (("xla", "xla"), (backend, backend)):
-      row("MoE gmm", budget, f"{path} masked", f"[{tokens * k},{D}]x[{E},{D},{F}]",
-          median_time(gmm(b), lhs, rhs, jnp.asarray(sizes), iters=it), flops)
+      if path == "xla":
+        row("MoE gmm", budget, "xla masked (whole width)", f"[{tokens * k},{D}]x[{E},{D},{F}]",
+            median_time(gmm(b), lhs, rhs, jnp.asarray(sizes), iters=it), flops)
+      else:
+        row("MoE gmm", budget, f"{path} masked (width narrowed)",
+            f"[{tokens * k},{D}]x[{E},{D},{f}]", median_time(
+                narrowed(b), lhs, rhs, jnp.asarray(sizes), mask_of(f), iters=it), flops)
       row("MoE gmm", budget, f"{path} sliced", f"[{tokens * k},{D}]x[{e},{D},{f}]",
           median_time(gmm(b), lhs, rhs[:e, :, :f], jnp.asarray(sizes[:e]), iters=it), flops)
   table = "\n".join(rows)

@@ -69,11 +69,12 @@ def test_dense_equals_sparse_dispatch(cfg, params, masked, impl):
 
 
 def test_auto_dispatch_follows_the_measured_rule(cfg, params):
-  """"auto": on CPU ragged (the tiled grouped matmul) at every size; for GPU / TPU gather while
-  tokens * k <= experts (8 experts, top-2 here: up to 4 tokens), then ragged; ep inside a mesh
-  with an expert axis; its output is the chosen path's."""
+  """"auto": on CPU gather for one token, else ragged (the tiled grouped matmul); for GPU / TPU
+  gather while tokens * k <= experts (8 experts, top-2 here: up to 4 tokens), then ragged; ep
+  inside a mesh with an expert axis; its output is the chosen path's."""
   from pallas_kernels import platform as platform_lib
-  assert [moe_lib.choose_impl(t, cfg) for t in (1, 4, 5, 64)] == ["ragged"] * 4
+  assert [moe_lib.choose_impl(t, cfg) for t in (1, 2, 4, 5, 64)] == [
+      "gather", "ragged", "ragged", "ragged", "ragged"]
   for accelerator in ("gpu", "tpu"):
     with platform_lib.target(accelerator):
       assert [moe_lib.choose_impl(t, cfg) for t in (1, 4, 5, 64)] == [
@@ -82,8 +83,9 @@ def test_auto_dispatch_follows_the_measured_rule(cfg, params):
   with jax.set_mesh(mesh_lib.make_mesh("fsdp:2,expert:4")):
     assert moe_lib.choose_impl(1, cfg) == "ep"
   p = _moe_params(params, cfg)
-  for T, plat, chosen in ((2, "gpu", "gather"), (2, "cpu", "ragged"), (7, "cpu", "ragged")):
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, T, cfg.hidden_size))
+  for B, T, plat, chosen in ((2, 2, "gpu", "gather"), (1, 1, "cpu", "gather"),
+                             (2, 2, "cpu", "ragged"), (2, 7, "cpu", "ragged")):
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, cfg.hidden_size))
     with platform_lib.target(plat):
       np.testing.assert_array_equal(moe_lib.moe(p, x, cfg, impl="auto")[0],
                                     moe_lib.moe(p, x, cfg, impl=chosen)[0])

@@ -37,13 +37,13 @@ MOE_IMPLS = ("dense", "ragged", "gather", "ep", "auto")
 def choose_impl(tokens: int, c: ModelConfig) -> str:
   """The dispatch "auto" runs for `tokens` tokens (static at trace time).
 
-  "ep" inside a mesh with an `expert` axis. On CPU "ragged" at every size: its grouped matmul
-  is the tiled loop (`pallas_kernels.gmm_tiled`; XLA:CPU's own ragged_dot computes every expert
+  "ep" inside a mesh with an `expert` axis. On CPU "gather" for one token (a batch-1 decode
+  step), else "ragged", whose grouped matmul is the tiled loop (`pallas_kernels.gmm_tiled`; XLA:CPU's own ragged_dot computes every expert
   for every row, 3.8-4.5x slower than dense). Measured on this project's 2-core CPU (fp32):
   - against "gather", in the whole on-device decode loop (`experiments/decode_speed.py
     --moe_sweep`, results/moe_rule.md; median of 7, tokens/s gather / ragged over the scaled
-    nano_v3 slices, E 16-32, k 6, and the tiny config, E 8, k 2): one token per row 1.01-1.04
-    (a tie on this machine), two 0.93-1.02, then ragged wins more with every row (four rows
+    nano_v3 slices, E 16-32, k 6, and the tiny config, E 8, k 2): one row 1.01-1.04 (in all
+    52 layers 1.08-1.11), two 0.93-1.02, then ragged wins more with every row (four rows
     0.76-0.87, eight 0.55-0.63, sixteen 0.38-0.50);
   - against "dense" in the whole model (`experiments/speed.py`): T 64 9.8 against 19 ms, T 512
     44 against 201 (backward 99 against 201) at E 32, k 6; at the tiny config (E 8, k 2) T 512
@@ -55,7 +55,7 @@ def choose_impl(tokens: int, c: ModelConfig) -> str:
   if moe_parallel.expert_mesh() is not None:
     return "ep"
   if platform_lib.current() == "cpu":
-    return "ragged"
+    return "gather" if tokens == 1 else "ragged"
   return "gather" if tokens * c.num_experts_per_tok <= c.n_routed_experts else "ragged"
 
 
