@@ -322,8 +322,8 @@ def test_generation_with_pallas_kernels_equals_xla(cfg, params, tokens):
 def test_kernels_benchmark_quick(tmp_path):
   """experiments/kernels_bench.py --quick runs every row: SSD forward (XLA / Pallas, masked /
   sliced, per head budget), SSD forward + backward, MoE grouped matmul per expert budget (the
-  kernel's masked row through `moe.narrow_width`); each
-  row's throughput and fraction of the measured peak are positive numbers."""
+  kernel's masked row through `moe.narrow_width`); each row's throughput and fraction of the
+  measured peak are positive numbers."""
   import os
   import subprocess
   import sys

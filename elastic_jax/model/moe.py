@@ -38,8 +38,9 @@ def choose_impl(tokens: int, c: ModelConfig) -> str:
   """The dispatch "auto" runs for `tokens` tokens (static at trace time).
 
   "ep" inside a mesh with an `expert` axis. On CPU "gather" for one token (a batch-1 decode
-  step), else "ragged", whose grouped matmul is the tiled loop (`pallas_kernels.gmm_tiled`; XLA:CPU's own ragged_dot computes every expert
-  for every row, 3.8-4.5x slower than dense). Measured on this project's 2-core CPU (fp32):
+  step), else "ragged", whose grouped matmul is the tiled loop (`pallas_kernels.gmm_tiled`;
+  XLA:CPU's own ragged_dot computes every expert for every row, 3.8-4.5x slower than dense).
+  Measured on this project's 2-core CPU (fp32):
   - against "gather", in the whole on-device decode loop (`experiments/decode_speed.py
     --moe_sweep`, results/moe_rule.md; median of 7, tokens/s gather / ragged over the scaled
     nano_v3 slices, E 16-32, k 6, and the tiny config, E 8, k 2): one row 1.01-1.04 (in all
