@@ -94,12 +94,17 @@ def run(out: str, quick: bool = False, batch: int | None = None, prompt_len: int
                  f"{r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f}x | "
                  f"{r['decode_tok_s']:,.1f} | {r['decode_ratio']:.2f}x | "
                  f"{1 / r['active_ratio']:.2f}x |")
+  _write(out, "decode_speed.md", "Decode speed", head, table)
+  return rows
+
+
+def _write(out: str, name: str, title: str, head: str, table: list[str]) -> None:
+  """Prints `head` and the markdown `table`; writes both under `# title` to `out/name`."""
   text = head + "\n\n" + "\n".join(table) + "\n"
   print(text)
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "decode_speed.md"), "w") as f:
-    f.write("# Decode speed\n\n" + text)
-  return rows
+  with open(os.path.join(out, name), "w") as f:
+    f.write(f"# {title}\n\n" + text)
 
 
 # The sweep's stack: nano_v3's block mix (Mamba, MoE, one attention layer) in 9 of its 52 layers,
@@ -166,11 +171,7 @@ def moe_sweep(out: str, quick: bool = False, batches=None, reps: int | None = No
     table.append(f"| {r['shape']} | {r['experts']} | {r['k']} | {r['hidden']} | "
                  f"{r['expert_width']} | {r['batch']} | {r['assignments']} | "
                  f"{r['gather_tok_s']:,.1f} | {r['ragged_tok_s']:,.1f} | {r['g_over_r']:.2f} |")
-  text = head + "\n\n" + "\n".join(table) + "\n"
-  print(text)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "moe_rule.md"), "w") as f:
-    f.write("# MoE dispatch in decode: gather vs ragged\n\n" + text)
+  _write(out, "moe_rule.md", "MoE dispatch in decode: gather vs ragged", head, table)
   return rows
 
 
