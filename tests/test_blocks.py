@@ -180,3 +180,28 @@ def test_segment_packing_computes_each_document_alone(cfg, params):
   np.testing.assert_allclose(scanned, alone, rtol=1e-4, atol=1e-4)
   leaky = np.asarray(apply(params, row, config=pcfg.replace(segment_packing=False)))[0]
   assert np.abs(leaky[5:] - alone[5:]).max() > 1e-2
+
+
+@pytest.mark.parametrize("spec,xs,ws", [
+    ("btd,dghp->btghp", (2, 5, 6), (6, 2, 3, 4)),    # Mamba in_proj: [B, T] merge into rows
+    ("btghp,ghpd->btd", (2, 5, 2, 3, 4), (2, 3, 4, 6)),   # out_proj
+    ("td,df->tf", (5, 6), (6, 7))])                   # already rows: as it is
+def test_rows_einsum_equals_einsum(spec, xs, ws):
+  """`linear.rows_einsum`: jnp.einsum's value and gradients (1e-5), the leading [B, T] merged
+  into one row dim, so every dot_general, the weight gradient's included, contracts one
+  dim of rows at most."""
+  from elastic_jax.model import linear
+  x = jax.random.normal(jax.random.PRNGKey(0), xs)
+  w = jax.random.normal(jax.random.PRNGKey(1), ws)
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(spec, x, w)))
+  np.testing.assert_allclose(linear.rows_einsum(spec, x, w), jnp.einsum(spec, x, w), rtol=1e-5,
+                             atol=1e-5)
+  chex.assert_trees_all_close(jax.grad(loss(linear.rows_einsum), argnums=(0, 1))(x, w),
+                              jax.grad(loss(jnp.einsum), argnums=(0, 1))(x, w),
+                              rtol=1e-5, atol=1e-5)
+  if spec.startswith("bt"):   # no product sees [B, T] as two dims: rows of B * T = 10
+    jaxpr = jax.make_jaxpr(jax.grad(loss(linear.rows_einsum), argnums=(0, 1)))(x, w)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3   # forward, d(x), d(w)
+    for e in dots:
+      assert all(v.aval.shape[:2] != xs[:2] for v in e.invars), e

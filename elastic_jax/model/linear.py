@@ -21,4 +21,25 @@ def einsum(spec: str, x, w, dtype):
   own = getattr(w, "einsum", None)
   if own is not None:
     return own(spec, x, dtype)
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+  return rows_einsum(spec, x.astype(dtype), w.astype(dtype))
+
+
+def rows_einsum(spec: str, x, w, **kwargs):
+  """`jnp.einsum(spec, x, w, **kwargs)` with x's leading batch dims (those that lead x and the
+  output alike and that w lacks: [B, T] of "btd,...") merged into one row dim around it.
+
+  The same product, but its weight gradient contracts one dim instead of two: XLA:CPU runs a
+  dot_general contracting [B, T] 2-2.4x slower than the 2-D matmul (measured at [4, 256, 96]
+  by [96, K]: K 1024 10.3 against 4.3 ms, K 328 2.8 against 1.3, forward equal). Only major
+  dims merge, so a batch sharding carries over to the rows."""
+  ins, out = spec.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  n = 0
+  while n < min(len(xs), len(out)) and xs[n] == out[n] and xs[n] not in ws and xs[n] != ".":
+    n += 1
+  if n < 2:
+    return jnp.einsum(spec, x, w, **kwargs)
+  row = next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in spec)
+  y = jnp.einsum(f"{row}{xs[n:]},{ws}->{row}{out[n:]}", x.reshape((-1,) + x.shape[n:]), w,
+                 **kwargs)
+  return y.reshape(x.shape[:n] + y.shape[1:])

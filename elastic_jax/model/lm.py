@@ -139,8 +139,10 @@ class ElasticLM(nn.Module):
 def lm_head(x_BTD, w_DV, c: ModelConfig):
   """Logits [..., V] in fp32 from final hidden states (matmul in `compute_dtype`)."""
   dt_ = jnp.dtype(c.compute_dtype)
-  return jnp.einsum("...d,dv->...v", x_BTD.astype(dt_), w_DV.astype(dt_),
-                    preferred_element_type=jnp.float32)
+  # As rows [N, D]: the weight gradient then contracts one dim (see `linear.rows_einsum`).
+  x_ND = x_BTD.reshape(-1, x_BTD.shape[-1]).astype(dt_)
+  logits = jnp.einsum("nd,dv->nv", x_ND, w_DV.astype(dt_), preferred_element_type=jnp.float32)
+  return logits.reshape(x_BTD.shape[:-1] + logits.shape[-1:])
 
 
 class _Layers(nn.Module):
