@@ -182,7 +182,7 @@ def routed_experts(p: dict, x_TD, gates, idx, ffn_mask_F, dt_, gmm_backend: str 
   E, ep = p["up"].shape[0], mesh.shape[EXPERT_AXIS]
   if E % ep:
     raise ValueError(f"{E} routed experts do not split over expert axis of size {ep}")
-  axes = tuple(a for a in token_shards.batch_axes() if a in mesh.axis_names)
+  axes = token_shards.token_axes(mesh)
   split = EXPERT_AXIS in axes
   rows = P(axes or None)
   ragged = split and (dispatch == "ragged" or (dispatch == "auto" and not emulate_ragged()))

@@ -13,19 +13,15 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 
-def batch_axes() -> tuple[str, ...]:
-  """Mesh axes the token batch is split over, from the logical-axis rules in context."""
-  spec = nn.logical_to_mesh_axes(("batch",))
-  axes = spec[0] if len(spec) else None
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def token_axes(mesh) -> tuple[str, ...]:
   """The axes of `mesh` (larger than 1) that the token batch is split over, by the logical-axis
   rules in context."""
   if mesh.empty:
     return ()
-  return tuple(a for a in batch_axes() if a in mesh.axis_names and mesh.shape[a] > 1)
+  spec = nn.logical_to_mesh_axes(("batch",))
+  axes = spec[0] if len(spec) else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
 def run(fn, rows: tuple, whole: tuple, check_vma: bool = True, batch: int | None = None):
