@@ -16,10 +16,20 @@ run per size; minitron = parent + one elastic-run-sized distillation per size.
       --workdir=runs/evs_reasoning --out=experiments/results     # the README's table (~25 min/seed)
   python experiments/elastic_vs_separate.py                  # tiny default, one seed
   python experiments/elastic_vs_separate.py --quick          # reduced mode (smallest size only)
+  python experiments/elastic_vs_separate.py --config=configs/reasoning.py --seeds=0,1,2 \
+      --config.elastic.stage1_steps=600 --config.elastic.stage2_steps=200 \
+      --approaches=elastic --parent_from=runs/evs_reasoning --workdir=runs/evs_kd4x
+                         # another elastic setting on the same parents, elastic rows only
+  python experiments/elastic_vs_separate.py --out=experiments/results \
+      --settings=default=runs/evs_reasoning,kd4x=runs/evs_kd4x
+                         # one table over finished comparisons (elastic_settings.md), no training
 
 Every seed runs in <workdir>/seed_<seed> (its own init, corpus draw, data order and held-out
-items). Writes <out>/elastic_vs_separate.md (per-seed rows, then mean and spread over seeds) and
-.png (quality vs active params, bars = min..max over seeds) and prints both. Re-running resumes:
+items). `--parent_from` starts each seed from the nested parent of another comparison's run
+directory (same seed, model, data and pretraining settings, checked), so several elastic
+settings share one pretraining; `--approaches` picks the rows besides the parent. Writes
+<out>/elastic_vs_separate.md (per-seed rows, then mean and spread over seeds) and .png (quality
+vs active params, bars = min..max over seeds) and prints both. Re-running resumes:
 every phase checkpoints in its seed's run directory.
 """
 from __future__ import annotations
@@ -43,6 +53,19 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   from main_job import apply_quick
 
+  if FLAGS.settings:
+    try:
+      settings = {name: recorded_rows(w) for name, w in map(_setting, FLAGS.settings)}
+    except ValueError as e:
+      sys.exit(f"--settings: {e}")
+    out = os.path.abspath(FLAGS.out or FLAGS.workdir)
+    os.makedirs(out, exist_ok=True)
+    table = settings_table(settings)
+    with open(os.path.join(out, "elastic_settings.md"), "w") as f:
+      f.write(table + "\n")
+    _settings_plot(settings, os.path.join(out, "elastic_settings.png"))
+    print(table + f"\n\nwrote {out}/elastic_settings.md and .png")
+    return
   config = _CONFIG.value
   if FLAGS.quick:
     apply_quick(config)
@@ -55,8 +78,13 @@ def main(argv):
   for seed in seeds:
     c = config.copy_and_resolve_references()
     c.seed = seed
-    seed_rows, totals = compare_one_seed(c, os.path.join(FLAGS.workdir, f"seed_{seed}"),
-                                         FLAGS.quick)
+    workdir = os.path.join(FLAGS.workdir, f"seed_{seed}")
+    if FLAGS.parent_from:
+      try:
+        reuse_parent(os.path.join(FLAGS.parent_from, f"seed_{seed}"), workdir, c)
+      except ValueError as e:
+        sys.exit(f"--parent_from: {e}")
+    seed_rows, totals = compare_one_seed(c, workdir, FLAGS.quick, tuple(FLAGS.approaches))
     rows += [(seed, *r) for r in seed_rows]
   table = _table(rows, totals)
   out = os.path.abspath(FLAGS.out or FLAGS.workdir)
@@ -68,10 +96,45 @@ def main(argv):
   print(f"\nwrote {out}/elastic_vs_separate.md and .png ({time.perf_counter() - t0:.0f}s)")
 
 
-def compare_one_seed(config, workdir: str, quick: bool):
-  """The parent, then elastic / scratch / minitron for every smaller size, in one run directory:
-  rows (approach, size, active params, tokens for this size, val loss, answer accuracy) and the
-  paper's token totals."""
+APPROACHES = ("elastic", "scratch", "minitron")
+# What a parent depends on: a run directory whose record agrees here made the same parent.
+PARENT_SECTIONS = ("seed", "model", "data", "pretrain")
+
+
+def reuse_parent(source: str, workdir: str, config) -> bool:
+  """Copies `source`'s nested parent (and tokenizer) into `workdir` unless it has one; the
+  source's run record must hold this config's seed, model, data and pretraining settings and its
+  held-out items (a ValueError names the first section that differs). True when copied."""
+  import json
+  import shutil
+
+  from elastic_jax.training import pipeline
+  if os.path.isdir(os.path.join(workdir, "parent")):
+    return False
+  record = os.path.join(source, pipeline.RUN_RECORD)
+  if not os.path.isdir(os.path.join(source, "parent")) or not os.path.exists(record):
+    raise ValueError(f"{source} holds no finished parent ({pipeline.RUN_RECORD} and parent/)")
+  with open(record) as f:
+    old = json.load(f)
+  c = json.loads(json.dumps(config.to_dict()))
+  for k in PARENT_SECTIONS:
+    if old["config"].get(k) != c[k]:
+      raise ValueError(f"{source} was made with other '{k}' settings than this run")
+  held = {"n_reasoning": c["eval"]["n_reasoning"], "sources": list(c["eval"]["sources"])}
+  if old.get("held_out", held) != held:
+    raise ValueError(f"{source} was made with other held-out items (the 'eval' settings)")
+  os.makedirs(workdir, exist_ok=True)
+  shutil.copytree(os.path.join(source, "parent"), os.path.join(workdir, "parent"))
+  tok = os.path.join(source, "tokenizer.json")
+  if os.path.exists(tok):
+    shutil.copy(tok, os.path.join(workdir, "tokenizer.json"))
+  return True
+
+
+def compare_one_seed(config, workdir: str, quick: bool, approaches=APPROACHES):
+  """The parent, then `approaches` (elastic / scratch / minitron) for every smaller size, in one
+  run directory: rows (approach, size, active params, tokens for this size, val loss, answer
+  accuracy) and the paper's token totals."""
   from elastic_jax import count_params, init, rng
   from elastic_jax.elastic.slicing import slice_params
   from elastic_jax.training import evaluate, phases, pipeline
@@ -79,8 +142,8 @@ def compare_one_seed(config, workdir: str, quick: bool):
   run = pipeline.Run(config, workdir)   # refuses a run directory with other settings
   names = [n for n, _ in config.model.budgets]
   sizes = names[1:][-1:] if quick else names[1:]
-  want = [("parent", names[0])] + [(a, n) for n in sizes for a in ("elastic", "scratch",
-                                                                     "minitron")]
+  want = [("parent", names[0])] + [(a, n) for n in sizes for a in APPROACHES
+                                   if a in approaches]
   done = {(r["approach"], r["budget"]): (r["approach"], r["budget"], r["active_params"],
                                          r["tokens"], r["val_loss"], r["answer_acc"])
           for r in run.writer.read("compare")}
@@ -108,23 +171,26 @@ def compare_one_seed(config, workdir: str, quick: bool):
     counts = family.budget_counts[name]
     elastic_p, small_cfg = slice_params(family.params, cfg, counts)
     active = count_params(small_cfg).active
-    rows.append(("elastic", name, active, parent_tokens + elastic_tokens,
-                 *evaluate_model(elastic_p, small_cfg)))
-    scratch = phases.pretrain(init(small_cfg, rng.key(config.seed, "init")), small_cfg,
-                              td.iterator(L1, B, rng.seed_for(config.seed, "pretrain_data")),
-                              scratch_steps, run.loop(f"scratch_{name}"),
-                              lr=config.pretrain.lr, warmup=config.pretrain.warmup,
-                              weight_decay=config.pretrain.weight_decay, name=f"scratch_{name}")
-    rows.append(("scratch", name, active, scratch_steps * B * L1,
-                 *evaluate_model(scratch, small_cfg)))
-    pruned, _ = slice_params(teacher, cfg, counts)
-    minitron = phases.distill(pruned, small_cfg, teacher, cfg,
-                              td.iterator(L1, B, rng.seed_for(config.seed, "stage1_data")),
-                              distill_steps, run.loop(f"minitron_{name}"), lr=config.elastic.lr,
-                              warmup=config.elastic.warmup,
-                              weight_decay=config.elastic.weight_decay, name=f"minitron_{name}")
-    rows.append(("minitron", name, active, parent_tokens + distill_steps * B * L1,
-                 *evaluate_model(minitron, small_cfg)))
+    if "elastic" in approaches:
+      rows.append(("elastic", name, active, parent_tokens + elastic_tokens,
+                   *evaluate_model(elastic_p, small_cfg)))
+    if "scratch" in approaches:
+      scratch = phases.pretrain(init(small_cfg, rng.key(config.seed, "init")), small_cfg,
+                                td.iterator(L1, B, rng.seed_for(config.seed, "pretrain_data")),
+                                scratch_steps, run.loop(f"scratch_{name}"),
+                                lr=config.pretrain.lr, warmup=config.pretrain.warmup,
+                                weight_decay=config.pretrain.weight_decay, name=f"scratch_{name}")
+      rows.append(("scratch", name, active, scratch_steps * B * L1,
+                   *evaluate_model(scratch, small_cfg)))
+    if "minitron" in approaches:
+      pruned, _ = slice_params(teacher, cfg, counts)
+      minitron = phases.distill(pruned, small_cfg, teacher, cfg,
+                                td.iterator(L1, B, rng.seed_for(config.seed, "stage1_data")),
+                                distill_steps, run.loop(f"minitron_{name}"),
+                                lr=config.elastic.lr, warmup=config.elastic.warmup,
+                                weight_decay=config.elastic.weight_decay, name=f"minitron_{name}")
+      rows.append(("minitron", name, active, parent_tokens + distill_steps * B * L1,
+                   *evaluate_model(minitron, small_cfg)))
   for r in rows:
     run.writer.write("compare", approach=r[0], budget=r[1], active_params=r[2], tokens=r[3],
                      val_loss=r[4], answer_acc=r[5])
@@ -132,13 +198,58 @@ def compare_one_seed(config, workdir: str, quick: bool):
   return rows, token_totals(rows)
 
 
+def _setting(arg: str) -> tuple[str, str]:
+  name, sep, workdir = arg.partition("=")
+  if not sep or not name or not workdir:
+    raise ValueError(f"expected name=workdir, got {arg!r}")
+  return name, workdir
+
+
+def recorded_rows(workdir: str) -> list[tuple]:
+  """(seed, approach, size, active, tokens, val loss, accuracy) of every finished seed_<seed>
+  comparison under `workdir` (its "compare" records; a row recorded again, by a later run with
+  other `--approaches`, counts once, as last recorded), seeds in order."""
+  from elastic_jax.training.metrics import MetricsWriter
+  seeds = sorted(int(d[5:]) for d in os.listdir(workdir) if d.startswith("seed_")
+                 and d[5:].isdigit()) if os.path.isdir(workdir) else []
+  rows = []
+  for seed in seeds:
+    last = {}
+    for r in MetricsWriter(os.path.join(workdir, f"seed_{seed}"), tensorboard=False).read(
+        "compare"):
+      last[(r["approach"], r["budget"])] = (seed, r["approach"], r["budget"], r["active_params"],
+                                            r["tokens"], r["val_loss"], r["answer_acc"])
+    rows += list(last.values())
+  if not rows:
+    raise ValueError(f"{workdir} holds no finished comparison (seed_<seed>/metrics.jsonl)")
+  return rows
+
+
+def settings_table(settings: dict[str, list]) -> str:
+  """One table over several comparisons ({setting name: its `recorded_rows`}): per setting,
+  approach and size, the tokens, seeds and mean ± sd [min, max] of val loss and answer accuracy
+  (`summarize`)."""
+  lines = ["Per setting (each a comparison's run directory), approach and size: mean ± sample sd "
+           "[min, max] over seeds.", "",
+           "| setting | approach | size | tokens for this size | seeds | val loss | answer acc |",
+           "|---|---|---|---:|---:|---:|---:|"]
+  for name, rows in settings.items():
+    for (approach, size, _, tokens, n, lm, ls, lmin, lmax, am, asd, amin, amax, _,
+         _) in summarize(rows):
+      lines.append(f"| {name} | {approach} | {size} | {tokens:,} | {n} | "
+                   f"{lm:.3f} ± {ls:.3f} [{lmin:.3f}, {lmax:.3f}] | "
+                   f"{am:.3f} ± {asd:.3f} [{amin:.3f}, {amax:.3f}] |")
+  return "\n".join(lines)
+
+
 def token_totals(rows) -> dict:
   """The paper's accounting from one seed's rows: student tokens to obtain every smaller size,
   the parent's pretraining counted once where it is used."""
   parent = next(r[3] for r in rows if r[0] == "parent")
   tokens = lambda a: [r[3] for r in rows if r[0] == a]
-  return {"elastic": tokens("elastic")[0], "scratch": sum(tokens("scratch")),
-          "minitron": parent + sum(t - parent for t in tokens("minitron"))}
+  totals = {"elastic": lambda t: t[0], "scratch": sum,
+            "minitron": lambda t: parent + sum(x - parent for x in t)}
+  return {a: f(tokens(a)) for a, f in totals.items() if tokens(a)}   # the approaches run
 
 
 def summarize(rows) -> list[tuple]:
@@ -191,6 +302,36 @@ def _table(rows, totals) -> str:
   return "\n".join(lines)
 
 
+def _settings_plot(settings: dict[str, list], path: str):
+  """Val loss and answer accuracy per setting (x) of every (approach, size) but the parent's:
+  the mean over seeds, bars min..max."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  names = list(settings)
+  series: dict = {}
+  for i, name in enumerate(names):
+    for r in summarize(settings[name]):
+      if r[0] != "parent":
+        series.setdefault(f"{r[0]} {r[1]}", []).append((i, r))
+  for ax, col, label in ((axes[0], 5, "validation loss (lower is better)"),
+                         (axes[1], 9, "answer accuracy")):
+    for k, (key, pts) in enumerate(series.items()):
+      x = [i + 0.08 * (k - len(series) / 2) for i, _ in pts]
+      y = [r[col] for _, r in pts]
+      err = [[r[col] - r[col + 2] for _, r in pts], [r[col + 3] - r[col] for _, r in pts]]
+      ax.errorbar(x, y, yerr=err, marker="o", capsize=3, linestyle="", label=key)
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.suptitle("elastic settings on the same parents (mean over seeds, bars: min..max)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def _plot(rows, path):
   import matplotlib
   matplotlib.use("Agg")
@@ -227,4 +368,10 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "where to write the table and plot (default: --workdir)")
   flags.DEFINE_bool("quick", False, "reduced mode: few steps, the smallest budget only")
   flags.DEFINE_list("seeds", None, "run seeds (default: the config's seed)")
+  flags.DEFINE_multi_enum("approaches", list(APPROACHES), list(APPROACHES),
+                          "rows besides the parent (repeat the flag for several)")
+  flags.DEFINE_list("settings", None, "name=workdir,...: no training; one table "
+                    "(elastic_settings.md in --out) over these comparisons' recorded rows")
+  flags.DEFINE_string("parent_from", None, "a comparison's --workdir whose seed_<seed>/parent "
+                      "each seed starts from (same seed, model, data and pretraining settings)")
   app.run(main)

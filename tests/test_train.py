@@ -146,13 +146,89 @@ def test_elastic_vs_separate_quick_mode(reference, tmp_path):
   assert "comparison recorded in metrics.jsonl" in r.stdout and "scratch_small" not in r.stdout
   assert (workdir / "elastic_vs_separate.md").read_text() == table
   assert (workdir / "elastic_vs_separate.png").stat().st_size > 10_000
+  # Some approaches only: the parent's and the elastic rows of the same records.
+  r = subprocess.run(cmd + ["--approaches=elastic"], capture_output=True, text=True,
+                     timeout=900, cwd=str(tmp_path))
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  rows = [l for l in (workdir / "elastic_vs_separate.md").read_text().splitlines()
+          if l.startswith("| 0 |")]
+  assert [l.split(" | ")[1] for l in rows] == ["parent", "elastic"], rows
+  assert [l for l in table.splitlines() if l.startswith("| 0 |")][:2] == rows
 
 
-def test_elastic_vs_separate_summary_over_seeds():
+def _evs():
   spec = importlib.util.spec_from_file_location(
       "evs", os.path.join(ROOT, "experiments", "elastic_vs_separate.py"))
   evs = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(evs)
+  return evs
+
+
+def test_elastic_vs_separate_reuses_a_parent(tmp_path):
+  """`--parent_from`: the nested parent of a run with the same seed, model, data and
+  pretraining is copied (once); other pretraining settings or no parent are refused by name."""
+  from configs import reasoning
+  from elastic_jax.training import pipeline
+  evs = _evs()
+  config = reasoning.get_config()
+  src = tmp_path / "src"
+  (src / "parent").mkdir(parents=True)
+  (src / "parent" / "weights").write_text("w")
+  (src / "tokenizer.json").write_text("t")
+  c = config.to_dict()
+  record = {"config": {k: c[k] for k in pipeline.RESULT_SECTIONS},
+            "held_out": {"n_reasoning": c["eval"]["n_reasoning"],
+                         "sources": list(c["eval"]["sources"])}}
+  (src / pipeline.RUN_RECORD).write_text(json.dumps(record))
+  other = config.copy_and_resolve_references()
+  other.elastic.stage1_steps *= 4   # elastic settings may differ
+  assert evs.reuse_parent(str(src), str(tmp_path / "a"), other)
+  assert (tmp_path / "a" / "parent" / "weights").read_text() == "w"
+  assert (tmp_path / "a" / "tokenizer.json").read_text() == "t"
+  assert not evs.reuse_parent(str(src), str(tmp_path / "a"), other)   # has its own parent
+  other.pretrain.steps += 1
+  with pytest.raises(ValueError, match="other 'pretrain' settings"):
+    evs.reuse_parent(str(src), str(tmp_path / "b"), other)
+  with pytest.raises(ValueError, match="holds no finished parent"):
+    evs.reuse_parent(str(tmp_path / "none"), str(tmp_path / "b"), config)
+  assert not (tmp_path / "b").exists()
+
+
+def test_elastic_vs_separate_settings_table(tmp_path):
+  """`--settings`: every setting's finished seeds, summarised from their "compare" records."""
+  evs = _evs()
+  for setting, shift in (("a", 0.0), ("b", 1.0)):
+    for seed in (0, 1):
+      w = MetricsWriter(str(tmp_path / setting / f"seed_{seed}"), tensorboard=False)
+      w.write("compare", approach="parent", budget="full", active_params=10, tokens=100,
+              val_loss=2.0 + seed, answer_acc=1.0)
+      w.write("compare", approach="elastic", budget="small", active_params=5, tokens=120,
+              val_loss=3.0 + shift + seed, answer_acc=0.5 * seed)
+      w.close()
+  w = MetricsWriter(str(tmp_path / "a" / "seed_1"), tensorboard=False)   # recorded again
+  w.write("compare", approach="parent", budget="full", active_params=10, tokens=100,
+          val_loss=4.0, answer_acc=1.0)
+  w.close()
+  (tmp_path / "a" / "seed_x").mkdir()   # not a seed directory
+  settings = {"A": evs.recorded_rows(str(tmp_path / "a")),
+              "B": evs.recorded_rows(str(tmp_path / "b"))}
+  table = evs.settings_table(settings)
+  rows = [l for l in table.splitlines() if l.startswith("| A |") or l.startswith("| B |")]
+  assert len(rows) == 4, table
+  sd = f"{0.5 ** 0.5:.3f}"
+  assert rows[0].startswith(f"| A | parent | full | 100 | 2 | 3.000 ± {2 ** 0.5:.3f} [2.000, "
+                            "4.000] |")
+  assert rows[1] == (f"| A | elastic | small | 120 | 2 | 3.500 ± {sd} [3.000, 4.000] | "
+                     f"0.250 ± {0.5 ** 0.5 / 2:.3f} [0.000, 0.500] |")
+  assert rows[3].startswith(f"| B | elastic | small | 120 | 2 | 4.500 ± {sd} [4.000, 5.000] |")
+  with pytest.raises(ValueError, match="holds no finished comparison"):
+    evs.recorded_rows(str(tmp_path / "c"))
+  evs._settings_plot(settings, str(tmp_path / "s.png"))
+  assert (tmp_path / "s.png").stat().st_size > 10_000
+
+
+def test_elastic_vs_separate_summary_over_seeds():
+  evs = _evs()
   rows = [(0, "parent", "full", 10, 100, 2.0, 0.5), (0, "elastic", "small", 5, 120, 3.0, 0.25),
           (1, "parent", "full", 10, 100, 2.5, 0.75), (1, "elastic", "small", 4, 120, 4.0, 0.0),
           (2, "elastic", "small", 6, 120, 3.5, 0.5)]   # seeds' routers: 5, 4, 6 active params
@@ -161,6 +237,14 @@ def test_elastic_vs_separate_summary_over_seeds():
                0.625, pytest.approx(0.25 / 2 ** 0.5), 0.5, 0.75, 10, 10)
   assert e[:5] == ("elastic", "small", 5, 120, 3) and e[5:9] == (3.5, 0.5, 3.0, 4.0)
   assert e[9:] == (0.25, 0.25, 0.0, 0.5, 4, 6)
+  # The paper's accounting counts the approaches that ran.
+  seed = [("parent", "full", 10, 100, 2.0, 1.0), ("elastic", "medium", 8, 120, 2.1, 1.0),
+          ("scratch", "medium", 8, 120, 2.2, 1.0), ("minitron", "medium", 8, 120, 2.3, 1.0),
+          ("elastic", "small", 5, 120, 2.5, 1.0), ("scratch", "small", 5, 120, 2.6, 1.0),
+          ("minitron", "small", 5, 120, 2.7, 1.0)]
+  assert evs.token_totals(seed) == {"elastic": 120, "scratch": 240, "minitron": 140}
+  assert evs.token_totals([r for r in seed if r[0] in ("parent", "elastic")]) == {
+      "elastic": 120}
 
 
 def test_quantized_family_from_the_main_job(reference, tmp_path):
