@@ -72,12 +72,13 @@ def at_most_accurate(standard, elastic) -> dict:
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
-  """95% Wilson score interval of a binomial proportion hits / n."""
+  """95% Wilson score interval of a binomial proportion hits / n (it always holds hits / n: at
+  0 or n hits the bound there is p itself, which rounding could otherwise leave 1e-16 short)."""
   import math
   p = hits / n
   centre = (p + z * z / (2 * n)) / (1 + z * z / n)
   half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-  return max(0.0, centre - half), min(1.0, centre + half)
+  return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def bootstrap_compare(configs, hits, lats, n_boot: int = 1000, seed: int = 0) -> dict:

@@ -218,6 +218,9 @@ def test_budget_control_intervals():
   exp = _script("budget_control")
   assert exp.wilson(30, 60) == pytest.approx((0.3773, 0.6227), abs=1e-4)   # textbook value
   assert exp.wilson(0, 60) == pytest.approx((0.0, 0.0602), abs=1e-4)
+  # Every interval holds its proportion (the plot's error bars are never negative).
+  assert all(exp.wilson(h, n)[0] <= h / n <= exp.wilson(h, n)[1]
+             for n in range(1, 100) for h in range(n + 1))
   # elastic (answers every item at half the latency) dominates standard (answers none): every
   # resample gives gain 1 and latency ratio 2; a 50/50 item split gives an interval around 0.5.
   configs = [("standard", "full", "full", 0), ("elastic", "small", "full", 0)]
