@@ -58,13 +58,8 @@ def main(argv):
       settings = {name: recorded_rows(w) for name, w in map(_setting, FLAGS.settings)}
     except ValueError as e:
       sys.exit(f"--settings: {e}")
-    out = os.path.abspath(FLAGS.out or FLAGS.workdir)
-    os.makedirs(out, exist_ok=True)
-    table = settings_table(settings)
-    with open(os.path.join(out, "elastic_settings.md"), "w") as f:
-      f.write(table + "\n")
-    _settings_plot(settings, os.path.join(out, "elastic_settings.png"))
-    print(table + f"\n\nwrote {out}/elastic_settings.md and .png")
+    _write("elastic_settings", settings_table(settings),
+           lambda path: _settings_plot(settings, path))
     return
   config = _CONFIG.value
   if FLAGS.quick:
@@ -86,14 +81,19 @@ def main(argv):
         sys.exit(f"--parent_from: {e}")
     seed_rows, totals = compare_one_seed(c, workdir, FLAGS.quick, tuple(FLAGS.approaches))
     rows += [(seed, *r) for r in seed_rows]
-  table = _table(rows, totals)
+  _write("elastic_vs_separate", _table(rows, totals), lambda path: _plot(rows, path),
+         f" ({time.perf_counter() - t0:.0f}s)")
+
+
+def _write(stem: str, table: str, plot, took: str = "") -> None:
+  """`table` to <--out>/<stem>.md and `plot(path)` to <stem>.png; prints the table."""
   out = os.path.abspath(FLAGS.out or FLAGS.workdir)
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "elastic_vs_separate.md"), "w") as f:
+  with open(os.path.join(out, f"{stem}.md"), "w") as f:
     f.write(table + "\n")
-  _plot(rows, os.path.join(out, "elastic_vs_separate.png"))
+  plot(os.path.join(out, f"{stem}.png"))
   print(table)
-  print(f"\nwrote {out}/elastic_vs_separate.md and .png ({time.perf_counter() - t0:.0f}s)")
+  print(f"\nwrote {out}/{stem}.md and .png{took}")
 
 
 APPROACHES = ("elastic", "scratch", "minitron")
@@ -302,61 +302,68 @@ def _table(rows, totals) -> str:
   return "\n".join(lines)
 
 
-def _settings_plot(settings: dict[str, list], path: str):
-  """Val loss and answer accuracy per setting (x) of every (approach, size) but the parent's:
-  the mean over seeds, bars min..max."""
+def _panels(path: str, title: str, figsize, draw, legend: dict) -> None:
+  """Val loss (left) and answer accuracy (right) panels saved to `path`; `draw(ax, col)` plots
+  one panel from `summarize` rows, whose column `col` is the mean over seeds and col + 2 /
+  col + 3 its min / max (`_errorbar`)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = plt.subplots(1, 2, figsize=figsize)
+  for ax, col, label in ((axes[0], 5, "validation loss (lower is better)"),
+                         (axes[1], 9, "answer accuracy")):
+    draw(ax, col)
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].legend(**legend)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _errorbar(ax, x, summary_rows, col: int, **kwargs) -> None:
+  """The means of `summary_rows` at `x`, bars min..max over seeds."""
+  y = [r[col] for r in summary_rows]
+  ax.errorbar(x, y, yerr=[[m - r[col + 2] for m, r in zip(y, summary_rows)],
+                          [r[col + 3] - m for m, r in zip(y, summary_rows)]],
+              capsize=3, **kwargs)
+
+
+def _settings_plot(settings: dict[str, list], path: str):
+  """Val loss and answer accuracy per setting (x) of every (approach, size) but the parent's:
+  the mean over seeds, bars min..max."""
   names = list(settings)
   series: dict = {}
   for i, name in enumerate(names):
     for r in summarize(settings[name]):
       if r[0] != "parent":
         series.setdefault(f"{r[0]} {r[1]}", []).append((i, r))
-  for ax, col, label in ((axes[0], 5, "validation loss (lower is better)"),
-                         (axes[1], 9, "answer accuracy")):
+
+  def draw(ax, col):
     for k, (key, pts) in enumerate(series.items()):
-      x = [i + 0.08 * (k - len(series) / 2) for i, _ in pts]
-      y = [r[col] for _, r in pts]
-      err = [[r[col] - r[col + 2] for _, r in pts], [r[col + 3] - r[col] for _, r in pts]]
-      ax.errorbar(x, y, yerr=err, marker="o", capsize=3, linestyle="", label=key)
+      _errorbar(ax, [i + 0.08 * (k - len(series) / 2) for i, _ in pts], [r for _, r in pts],
+                col, marker="o", linestyle="", label=key)
     ax.set_xticks(range(len(names)), names, rotation=20)
-    ax.set_ylabel(label)
-    ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
-  fig.suptitle("elastic settings on the same parents (mean over seeds, bars: min..max)")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+
+  _panels(path, "elastic settings on the same parents (mean over seeds, bars: min..max)",
+          (11, 4), draw, {"fontsize": 8})
 
 
 def _plot(rows, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   summary = summarize(rows)
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, col, label in ((axes[0], 5, "validation loss (lower is better)"),
-                         (axes[1], 9, "answer accuracy")):
+
+  def draw(ax, col):
     for approach, marker in (("parent", "*"), ("elastic", "o"), ("scratch", "s"),
                              ("minitron", "^")):
-      pts = sorted((r[2], r[col], r[col + 2], r[col + 3]) for r in summary if r[0] == approach)
+      pts = sorted((r for r in summary if r[0] == approach), key=lambda r: (r[2], r[col]))
       if pts:
-        x, y, lo, hi = (list(v) for v in zip(*pts))
-        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]],
-                    marker=marker, capsize=3, label=approach)
+        _errorbar(ax, [r[2] for r in pts], pts, col, marker=marker, label=approach)
     ax.set_xlabel("active parameters")
-    ax.set_ylabel(label)
-    ax.grid(alpha=0.3)
-  axes[0].legend()
+
   n = len({r[0] for r in rows})
-  fig.suptitle(f"elastic (one run, all sizes) vs each size trained separately; {n} seed(s), "
-               "bars: min..max")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _panels(path, f"elastic (one run, all sizes) vs each size trained separately; {n} seed(s), "
+          "bars: min..max", (10, 4), draw, {})
 
 
 if __name__ == "__main__":
