@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -134,10 +135,13 @@ def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
                      "opt": opt.init(stacked)}}
 
     def train(x=x, step=step, box=box):
-      t = time.perf_counter()
+      faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
       box["state"], m = step(box["state"], x)
       jax.block_until_ready(m["loss"])
-      return time.perf_counter() - t
+      t = time.perf_counter() - t
+      train.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+      return t
+    train.faults = []   # the host's minor page faults of each timed step
     timers[("train", B, T)] = train
   return timers
 
@@ -238,8 +242,10 @@ def side_by_side(name: str, cfg, params, moe_impl: str, quick: bool, reps: int,
       timers["port"] = port[key]
     t = interleaved(timers, reps)
     kind, B, T = key
+    faults = getattr(ours[key], "faults", None)
     rows.append({"shape": name, "cell": kind, "B": B, "T": T, "ours_s": t["ours"],
-                 "hf_s": t["hf"], "ratio": t["hf"] / t["ours"], "port_s": t.get("port")})
+                 "hf_s": t["hf"], "ratio": t["hf"] / t["ours"], "port_s": t.get("port"),
+                 "faults": statistics.median(faults) if faults else None})
     print(f"  {name} {kind} B{B} {'N' if kind == 'decode' else 'T'}{T}: ours "
           f"{t['ours']:.3f} s, transformers {t['hf']:.3f} s, {t['hf'] / t['ours']:.2f}x" +
           (f"; plain-jnp port {t['port']:.3f} s" if "port" in t else ""), flush=True)
@@ -279,7 +285,8 @@ def budgets(cfg, params, moe_impl: str, quick: bool, reps: int) -> list[dict]:
 
 
 def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_impl: str,
-           reps: int, peak: float | None = None, cfgs: dict | None = None) -> str:
+           reps: int, peak: float | None = None, cfgs: dict | None = None,
+           host_memory_kept: bool = True) -> str:
   """The markdown tables (and the header naming the machine and settings)."""
   import jax
   import torch
@@ -308,16 +315,20 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
                    f"{n / r['port_s']:,.0f} | {r['port_s'] / r['ours_s']:.2f}x |")
   train = [r for r in shape_rows if r["cell"] == "train"]
   if peak and train and cfgs:
+    kept = "kept" if host_memory_kept else "returned to the OS (ELASTIC_JAX_KEEP_HOST_MEMORY=0)"
     lines += ["", f"Training steps against this CPU's measured fp32 matmul rate "
               f"({peak / 1e9:.1f} GFLOP/s, median of 10 jitted 1024 x 1024 products; model FLOPs: "
-              "`train_flops`):", "",
-              "| shape | batch | tokens | ours tok/s | ours GFLOP/s | of peak | transformers tok/s "
-              "| transformers of peak |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              f"`train_flops`); freed host memory {kept} (`host_memory`), the host's minor page "
+              "faults per step (median):", "",
+              "| shape | batch | tokens | ours tok/s | ours GFLOP/s | of peak | page faults "
+              "| transformers tok/s | transformers of peak |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in train:
       f = train_flops(cfgs[r["shape"]], r["B"], r["T"])
       lines.append(f"| {r['shape']} | {r['B']} | {r['T']} | {r['B'] * r['T'] / r['ours_s']:,.0f} "
                    f"| {f / r['ours_s'] / 1e9:.1f} | {f / r['ours_s'] / peak:.1%} | "
-                   f"{r['B'] * r['T'] / r['hf_s']:,.0f} | {f / r['hf_s'] / peak:.1%} |")
+                   f"{r['faults']:,.0f} | {r['B'] * r['T'] / r['hf_s']:,.0f} | "
+                   f"{f / r['hf_s'] / peak:.1%} |")
   if budget_rows:
     lines += ["", "Decode per budget (ours; speed-up over the full model; ideal = 1 / active "
               "ratio; of ideal = speed-up x active ratio, target >= 0.9 for sliced):", "",
@@ -331,8 +342,11 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
 
 
 def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = "auto",
-        shapes: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
-  """Runs every cell; prints and writes `out/speed.md`; returns (cell rows, budget rows)."""
+        shapes: tuple[str, ...] = (), host_memory_kept: bool = False
+        ) -> tuple[list[dict], list[dict]]:
+  """Runs every cell; prints and writes `out/speed.md`; returns (cell rows, budget rows).
+  `host_memory_kept`: whether `host_memory.keep_freed_memory` applied in this process (the
+  report says so)."""
   import torch
 
   from scaled import random_params
@@ -351,7 +365,7 @@ def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = 
         budget_rows = budgets(cfg, params, moe_impl, quick, reps)
   import jax.numpy as jnp
   peak = matmul_peak(jnp.float32, 1024, 10) * 1e12   # FLOP/s
-  text = report(rows, diffs, budget_rows, moe_impl, reps, peak, cfgs)
+  text = report(rows, diffs, budget_rows, moe_impl, reps, peak, cfgs, host_memory_kept)
   print(text)
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "speed.md"), "w") as f:
@@ -362,8 +376,11 @@ def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = 
 def main(argv):
   del argv
   from absl import flags
+
+  from elastic_jax import host_memory
+  kept = host_memory.keep_freed_memory()   # as the CLIs do, before jax's CPU client starts
   F = flags.FLAGS
-  run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()))
+  run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()), kept)
 
 
 if __name__ == "__main__":

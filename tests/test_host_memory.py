@@ -1,0 +1,50 @@
+"""host_memory.keep_freed_memory: a large freed block is reused, not page-faulted in anew (counted
+in child processes; `experiments/speed.py` counts the train step's faults)."""
+import os
+import subprocess
+import sys
+
+from elastic_jax import host_memory
+
+# Allocate, touch and free a 128 MiB block (above glibc's largest mmap threshold, as XLA:CPU's
+# temporary buffer of a train step is) four times; print the pages and the minor faults of the
+# last three rounds per round.
+CHILD = """
+import ctypes, resource
+from elastic_jax import host_memory
+host_memory.keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 128 << 20
+def touch_and_free():
+  p = libc.malloc(size)
+  ctypes.memset(p, 1, size)
+  libc.free(p)
+touch_and_free()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+  touch_and_free()
+print(size // 4096, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3)
+"""
+
+
+def _pages_and_faults(keep: str):
+  env = {**os.environ, host_memory.ENV: keep}
+  r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  pages, faults = r.stdout.split()
+  return int(pages), float(faults)
+
+
+def test_freed_block_is_reused_not_faulted_in_again():
+  pages, kept = _pages_and_faults("1")
+  _, default = _pages_and_faults("0")
+  assert default > 0.9 * pages, (default, pages)   # glibc's default: mapped anew each round
+  assert kept < 0.01 * pages, (kept, pages)
+
+
+def test_opt_out():
+  assert host_memory.keep_freed_memory({host_memory.ENV: "0"}) is False
+  assert host_memory.keep_freed_memory({host_memory.ENV: ""}) is False
