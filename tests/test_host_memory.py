@@ -48,3 +48,21 @@ def test_freed_block_is_reused_not_faulted_in_again():
 def test_opt_out():
   assert host_memory.keep_freed_memory({host_memory.ENV: "0"}) is False
   assert host_memory.keep_freed_memory({host_memory.ENV: ""}) is False
+
+
+def test_page_faults_experiment_quick(tmp_path):
+  """experiments/page_faults.py --quick: one process pair of the tiny train step; glibc's default
+  faults in the step's temporary buffer every step, the kept heap does not."""
+  import importlib.util
+  exp_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments")
+  spec = importlib.util.spec_from_file_location("page_faults",
+                                                os.path.join(exp_dir, "page_faults.py"))
+  page_faults = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(page_faults)
+  rows = page_faults.run(str(tmp_path), quick=True)
+  assert len(rows) == 1 and rows[0]["kept"]["kept"] and not rows[0]["default"]["kept"]
+  kept, default = rows[0]["kept"]["faults"], rows[0]["default"]["faults"]
+  assert default > 10_000 and kept < default / 10, (kept, default)
+  md = (tmp_path / "page_faults.md").read_text()
+  assert md.count("\n| 0 | kept |") == 1 and "Median over rounds" in md
