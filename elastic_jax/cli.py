@@ -6,9 +6,9 @@ HFFormatError and SafetensorsError among them) or FileNotFoundError: the CLIs pr
 are bugs or environment problems and keep their traceback; ELASTIC_JAX_TRACEBACK=1 keeps it for
 ours too.
 
-Before anything else, `host_memory.keep_freed_memory` keeps freed host memory in the process, so
-XLA:CPU's per-step temporary buffer is not page-faulted in anew each step. Compiled programs
-persist between runs (`compilation_cache_dir`): a second run of the same shapes skips XLA's
+Before anything else, with ELASTIC_JAX_KEEP_HOST_MEMORY=1, `host_memory.keep_freed_memory` keeps
+freed host memory in the process, so XLA:CPU's per-step temporary buffer is not page-faulted in
+anew each step (long runs of large steps; it slows compiles). Compiled programs persist between runs (`compilation_cache_dir`): a second run of the same shapes skips XLA's
 compile (the test-sized main job: 147 s cold, 61 s warm on 2 CPU cores).
 """
 from __future__ import annotations
@@ -61,10 +61,9 @@ def enable_compilation_cache(environ=os.environ) -> str | None:
 
 
 def run(main: Callable[[list[str]], object]) -> None:
-  host_memory.keep_freed_memory()   # before jax's CPU client starts its threads
-
   def guarded(argv):
     try:
+      host_memory.keep_freed_memory()   # opt-in; before jax's CPU client starts its threads
       enable_compilation_cache()
       return main(argv)
     except (ValueError, FileNotFoundError) as e:

@@ -9,9 +9,13 @@ the blocks kept (`experiments/speed.py`; three process pairs).
 
 `keep_freed_memory()` has glibc serve every block from one heap (one arena, no mmap) that it never
 trims. Peak memory is unchanged; memory freed after the peak stays with the process (as with
-tcmalloc or jemalloc). It must run before jax starts its CPU client: threads that have already
-allocated keep their own arenas. The CLIs call it first (`cli.run`); set
-ELASTIC_JAX_KEEP_HOST_MEMORY=0 to leave malloc as it is. A no-op off Linux / glibc.
+tcmalloc or jemalloc). The price: every thread now shares one malloc lock, so XLA's compiles run
+slower (the tiny train step's 7-9 -> 9-11 s) and so does a compile-bound job (the README's main
+job, cold: 198 -> 262 s); each call of the train step also spends 7-8 ms in malloc dispatching it
+(2 ms without). So it is opt-in: worth it for long runs of large steps, where the step's temporary
+buffer exceeds glibc's 32 MB mmap threshold. It must run before jax starts its CPU client:
+threads that have already allocated keep their own arenas. The CLIs call it first (`cli.run`) and
+apply it with ELASTIC_JAX_KEEP_HOST_MEMORY=1. A no-op off Linux / glibc.
 """
 from __future__ import annotations
 
@@ -26,10 +30,14 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def keep_freed_memory(environ=os.environ) -> bool:
-  """Sets glibc's malloc to one never-trimmed heap without mmap (see the module docstring).
-  Returns True when applied; False with $ELASTIC_JAX_KEEP_HOST_MEMORY "0" / "" or off glibc."""
-  if environ.get(ENV, "1") in ("", "0"):
+def keep_freed_memory(environ=os.environ, default: bool = False) -> bool:
+  """Sets glibc's malloc to one never-trimmed heap without mmap (see the module docstring) when
+  $ELASTIC_JAX_KEEP_HOST_MEMORY is "1", not when it is "0" or "", else when `default`. Returns
+  True when applied (False also off glibc)."""
+  value = environ.get(ENV)
+  if value not in (None, "", "0", "1"):
+    raise ValueError(f"${ENV} must be 1 or 0, got {value!r}")
+  if not (value == "1" or (value is None and default)):
     return False
   if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
     return False

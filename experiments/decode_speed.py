@@ -178,9 +178,6 @@ def moe_sweep(out: str, quick: bool = False, batches=None, reps: int | None = No
 def main(argv):
   del argv
   from absl import flags
-
-  from elastic_jax import host_memory
-  host_memory.keep_freed_memory()   # as the CLIs do, before jax's CPU client starts
   F = flags.FLAGS
   if F.moe_sweep:
     moe_sweep(F.out, F.quick, F.batches and [int(b) for b in F.batches], F.reps, F.new_tokens)

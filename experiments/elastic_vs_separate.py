@@ -50,9 +50,6 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   from absl import logging
-
-  from elastic_jax import host_memory
-  host_memory.keep_freed_memory()   # as the CLIs do, before jax's CPU client starts
   logging.set_verbosity(logging.ERROR)
   from main_job import apply_quick
 

@@ -378,7 +378,7 @@ def main(argv):
   from absl import flags
 
   from elastic_jax import host_memory
-  kept = host_memory.keep_freed_memory()   # as the CLIs do, before jax's CPU client starts
+  kept = host_memory.keep_freed_memory(default=True)   # steady-state steps; before jax starts
   F = flags.FLAGS
   run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()), kept)
 

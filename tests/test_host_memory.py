@@ -45,9 +45,15 @@ def test_freed_block_is_reused_not_faulted_in_again():
   assert kept < 0.01 * pages, (kept, pages)
 
 
-def test_opt_out():
-  assert host_memory.keep_freed_memory({host_memory.ENV: "0"}) is False
+def test_opt_in():
+  """Off unless $ELASTIC_JAX_KEEP_HOST_MEMORY is 1 (or unset with default=True); a bad value is
+  an error naming the variable. (Never applied in this process: the children above do.)"""
+  import pytest
+  assert host_memory.keep_freed_memory({}) is False
+  assert host_memory.keep_freed_memory({host_memory.ENV: "0"}, default=True) is False
   assert host_memory.keep_freed_memory({host_memory.ENV: ""}) is False
+  with pytest.raises(ValueError, match="ELASTIC_JAX_KEEP_HOST_MEMORY must be 1 or 0"):
+    host_memory.keep_freed_memory({host_memory.ENV: "yes"})
 
 
 def test_page_faults_experiment_quick(tmp_path):
