@@ -8,8 +8,9 @@ ours too.
 
 Before anything else, with ELASTIC_JAX_KEEP_HOST_MEMORY=1, `host_memory.keep_freed_memory` keeps
 freed host memory in the process, so XLA:CPU's per-step temporary buffer is not page-faulted in
-anew each step (long runs of large steps; it slows compiles). Compiled programs persist between runs (`compilation_cache_dir`): a second run of the same shapes skips XLA's
-compile (the test-sized main job: 147 s cold, 61 s warm on 2 CPU cores).
+anew each step (long runs of large steps; it slows compiles). Compiled programs persist between
+runs (`compilation_cache_dir`): a second run of the same shapes skips XLA's compile (the
+test-sized main job: 147 s cold, 61 s warm on 2 CPU cores).
 """
 from __future__ import annotations
 

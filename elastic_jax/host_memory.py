@@ -4,8 +4,8 @@ XLA:CPU mallocs each execution's temporary buffer and frees it afterwards (127 M
 config's B4 x T256 train step, fp32). glibc serves a block that large with a fresh mmap (above its
 mmap threshold, at most 32 MB, and larger than a worker thread's 64 MB arena) and unmaps it on
 free, so every step the kernel zero-fills and maps about 31,000 new 4 KiB pages: measured on this
-project's 2-core VM, 31,000 minor page faults per train step and 89-102 ms against 72-78 ms with
-the blocks kept (`experiments/speed.py`; three process pairs).
+project's 2-core VM, 30,994 minor page faults per train step and 96-111 ms against 76-92 ms (0
+faults) with the blocks kept (`experiments/page_faults.py`, four process pairs).
 
 `keep_freed_memory()` has glibc serve every block from one heap (one arena, no mmap) that it never
 trims. Peak memory is unchanged; memory freed after the peak stays with the process (as with

@@ -14,7 +14,9 @@ Cells (ours / transformers, both greedy, the cache built by both):
   step and the host loop streaming needs) / a loop of `model(next, cache=cache)`;
 - train step B x T: next-token cross-entropy, backward, AdamW update, jitted with donated state
   / `loss.backward(); optimizer.step()`.
-Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). torch uses as many
+Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). The script keeps
+freed host memory in the process (`elastic_jax.host_memory`; ELASTIC_JAX_KEEP_HOST_MEMORY=0
+leaves glibc's default) and counts the train step's page faults. torch uses as many
 threads as XLA's CPU client (every core); the two are interleaved within each repetition (one
 untimed warm-up each, which also compiles ours), and the median is reported. A ratio above 1
 means ours is faster.
@@ -315,7 +317,7 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
                    f"{n / r['port_s']:,.0f} | {r['port_s'] / r['ours_s']:.2f}x |")
   train = [r for r in shape_rows if r["cell"] == "train"]
   if peak and train and cfgs:
-    kept = "kept" if host_memory_kept else "returned to the OS (ELASTIC_JAX_KEEP_HOST_MEMORY=0)"
+    kept = "kept" if host_memory_kept else "returned to the OS (glibc's default)"
     lines += ["", f"Training steps against this CPU's measured fp32 matmul rate "
               f"({peak / 1e9:.1f} GFLOP/s, median of 10 jitted 1024 x 1024 products; model FLOPs: "
               f"`train_flops`); freed host memory {kept} (`host_memory`), the host's minor page "
