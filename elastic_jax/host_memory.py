@@ -12,8 +12,10 @@ trims. Peak memory is unchanged; memory freed after the peak stays with the proc
 tcmalloc or jemalloc). The price: every thread now shares one malloc lock, so XLA's compiles run
 slower (the tiny train step's 7-9 -> 9-11 s) and so does a compile-bound job (the README's main
 job, cold: 198 -> 262 s); each call of the train step also spends 7-8 ms in malloc dispatching it
-(2 ms without). So it is opt-in: worth it for long runs of large steps, where the step's temporary
-buffer exceeds glibc's 32 MB mmap threshold. It must run before jax starts its CPU client:
+(2 ms without), and at the scaled nano_v3 shape (a 1.25 GB temporary buffer, 379,000 faults per
+step without) the B4 x T256 train step took 12.7 s with it against 9.8 s without (one process
+each). So it is opt-in: measure it for the run at hand (`experiments/page_faults.py` times the tiny
+step both ways). It must run before jax starts its CPU client:
 threads that have already allocated keep their own arenas. The CLIs call it first (`cli.run`) and
 apply it with ELASTIC_JAX_KEEP_HOST_MEMORY=1. A no-op off Linux / glibc.
 """

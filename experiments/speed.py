@@ -14,9 +14,9 @@ Cells (ours / transformers, both greedy, the cache built by both):
   step and the host loop streaming needs) / a loop of `model(next, cache=cache)`;
 - train step B x T: next-token cross-entropy, backward, AdamW update, jitted with donated state
   / `loss.backward(); optimizer.step()`.
-Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). The script keeps
-freed host memory in the process (`elastic_jax.host_memory`; ELASTIC_JAX_KEEP_HOST_MEMORY=0
-leaves glibc's default) and counts the train step's page faults. torch uses as many
+Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). With
+ELASTIC_JAX_KEEP_HOST_MEMORY=1 the process keeps freed host memory (`elastic_jax.host_memory`;
+both sides gain or lose by it); the train table counts the step's page faults. torch uses as many
 threads as XLA's CPU client (every core); the two are interleaved within each repetition (one
 untimed warm-up each, which also compiles ours), and the median is reported. A ratio above 1
 means ours is faster.
@@ -380,7 +380,7 @@ def main(argv):
   from absl import flags
 
   from elastic_jax import host_memory
-  kept = host_memory.keep_freed_memory(default=True)   # steady-state steps; before jax starts
+  kept = host_memory.keep_freed_memory()   # opt-in, as for the CLIs; before jax starts
   F = flags.FLAGS
   run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()), kept)
 
