@@ -3,9 +3,9 @@ run: the ratio of step times and the host's page faults per step.
 
 glibc reads the setting when jax's CPU client starts, so each side runs in a fresh process: every
 round starts one child with ELASTIC_JAX_KEEP_HOST_MEMORY=1 and one with =0 (alternating which goes
-first), each timing `steps` steps of the same train step (configs.tiny, fp32, B x T tokens,
-next-token cross-entropy, AdamW, jitted with donated state, as `speed.py`'s train cell) after 3
-untimed ones, and reporting the median step time and minor page faults per step. Prints and writes
+first), each timing `steps` steps of `speed.py`'s train cell (`speed.train_timer`: configs.tiny,
+fp32, B x T tokens, next-token cross-entropy, AdamW, jitted with donated state) after 3 untimed
+ones, and reporting the median step time and minor page faults per step. Prints and writes
 `out/page_faults.md`: one row per round and the median over rounds of default / kept.
 
   python experiments/page_faults.py            # B4 x T256, 4 rounds of 30 steps (~4 min, 2 cores)
@@ -27,30 +27,14 @@ def child(batch: int, seq: int, steps: int) -> dict:
   "kept": whether `keep_freed_memory` applied} (call before jax starts)."""
   from elastic_jax import host_memory
   kept = host_memory.keep_freed_memory()
-  import resource
-  import time
-
   import jax
-  import numpy as np
+  from speed import configs, train_timer
 
-  from configs.tiny import MODEL
   from elastic_jax import init
-  from elastic_jax.model.model import to_stack_layout
-  from elastic_jax.training import optim, phases
-  cfg = MODEL.replace(param_dtype="float32", compute_dtype="float32")
-  params = to_stack_layout(init(cfg, jax.random.PRNGKey(0)), cfg)
-  x = np.random.RandomState(0).randint(5, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
-  opt = optim.adamw(1e-4, 1000, 0)
-  step = phases.train_step(lambda p, x: (phases.lm_loss(p, x, cfg, moe_impl="auto"), {}), opt)
-  state = {"params": params, "opt": opt.init(params)}
-  times, faults = [], []
-  for i in range(WARMUP + steps):
-    f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-    state, m = step(state, x)
-    jax.block_until_ready(m["loss"])
-    if i >= WARMUP:
-      times.append(time.perf_counter() - t0)
-      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+  cfg = configs(quick=True)["tiny"]
+  timer = train_timer(init(cfg, jax.random.PRNGKey(0)), cfg, "auto", batch, seq)
+  times = [timer() for _ in range(WARMUP + steps)][WARMUP:]
+  faults = timer.faults[WARMUP:]
   return {"ms": statistics.median(times) * 1e3, "faults": statistics.median(faults),
           "kept": kept}
 

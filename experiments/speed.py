@@ -115,11 +115,7 @@ def _hf_cache(out):
 
 def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
   """{(kind, B, T): timer} for our model; a timer runs once and returns its seconds."""
-  import jax
-
   from elastic_jax.inference import generate as G
-  from elastic_jax.model.model import to_stack_layout
-  from elastic_jax.training import optim, phases
   sub = G.SubModel(params, cfg, moe_impl=moe_impl)
   timers = {}
   for B, T in cells["prefill"]:
@@ -128,24 +124,33 @@ def ours_cells(params, cfg, moe_impl: str, cells: dict) -> dict:
   for B, N in cells["decode"]:
     timers[("decode", B, N)] = decode_timer(sub, list(_prompts(cfg, B, P)), P, N)
   for B, T in cells["train"]:
-    x = _prompts(cfg, B, T + 1)
-    opt = optim.adamw(1e-4, 1000, 0)
-    step = phases.train_step(
-        lambda p, x: (phases.lm_loss(p, x, cfg, moe_impl=moe_impl), {}), opt)
-    stacked = to_stack_layout(params, cfg)
-    box = {"state": {"params": jax.tree.map(lambda a: a.copy(), stacked),
-                     "opt": opt.init(stacked)}}
-
-    def train(x=x, step=step, box=box):
-      faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-      box["state"], m = step(box["state"], x)
-      jax.block_until_ready(m["loss"])
-      t = time.perf_counter() - t
-      train.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-      return t
-    train.faults = []   # the host's minor page faults of each timed step
-    timers[("train", B, T)] = train
+    timers[("train", B, T)] = train_timer(params, cfg, moe_impl, B, T)
   return timers
+
+
+def train_timer(params, cfg, moe_impl: str, B: int, T: int):
+  """A timer of one train step on B x T tokens (next-token cross-entropy, AdamW, jitted with
+  donated state, on a copy of `params` in the stacked layout); its `faults` list gets the
+  host's minor page faults of each call."""
+  import jax
+
+  from elastic_jax.model.model import to_stack_layout
+  from elastic_jax.training import optim, phases
+  x = _prompts(cfg, B, T + 1)
+  opt = optim.adamw(1e-4, 1000, 0)
+  step = phases.train_step(lambda p, x: (phases.lm_loss(p, x, cfg, moe_impl=moe_impl), {}), opt)
+  stacked = to_stack_layout(params, cfg)
+  box = {"state": {"params": jax.tree.map(lambda a: a.copy(), stacked), "opt": opt.init(stacked)}}
+
+  def train():
+    faults, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    box["state"], m = step(box["state"], x)
+    jax.block_until_ready(m["loss"])
+    t = time.perf_counter() - t
+    train.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    return t
+  train.faults = []
+  return train
 
 
 def port_cells(params, cfg, cells: dict) -> dict:
@@ -288,7 +293,7 @@ def budgets(cfg, params, moe_impl: str, quick: bool, reps: int) -> list[dict]:
 
 def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_impl: str,
            reps: int, peak: float | None = None, cfgs: dict | None = None,
-           host_memory_kept: bool = True) -> str:
+           host_memory_kept: bool = False) -> str:
   """The markdown tables (and the header naming the machine and settings)."""
   import jax
   import torch
