@@ -14,9 +14,11 @@ Cells (ours / transformers, both greedy, the cache built by both):
   step and the host loop streaming needs) / a loop of `model(next, cache=cache)`;
 - train step B x T: next-token cross-entropy, backward, AdamW update, jitted with donated state
   / `loss.backward(); optimizer.step()`.
-Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). With
-ELASTIC_JAX_KEEP_HOST_MEMORY=1 the process keeps freed host memory (`elastic_jax.host_memory`;
-both sides gain or lose by it); the train table counts the step's page faults. torch uses as many
+Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). Like the CLIs, the
+process restarts itself with glibc's malloc on transparent huge pages (ELASTIC_JAX_HUGE_PAGES=0
+off) and with ELASTIC_JAX_KEEP_HOST_MEMORY=1 keeps freed host memory (`elastic_jax.host_memory`;
+both sides gain or lose by either); the train table names the setting and counts the step's page
+faults. torch uses as many
 threads as XLA's CPU client (every core); the two are interleaved within each repetition (one
 untimed warm-up each, which also compiles ours), and the median is reported. A ratio above 1
 means ours is faster.
@@ -293,7 +295,7 @@ def budgets(cfg, params, moe_impl: str, quick: bool, reps: int) -> list[dict]:
 
 def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_impl: str,
            reps: int, peak: float | None = None, cfgs: dict | None = None,
-           host_memory_kept: bool = False) -> str:
+           host_memory_mode: str = "glibc's default") -> str:
   """The markdown tables (and the header naming the machine and settings)."""
   import jax
   import torch
@@ -322,11 +324,10 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
                    f"{n / r['port_s']:,.0f} | {r['port_s'] / r['ours_s']:.2f}x |")
   train = [r for r in shape_rows if r["cell"] == "train"]
   if peak and train and cfgs:
-    kept = "kept" if host_memory_kept else "returned to the OS (glibc's default)"
     lines += ["", f"Training steps against this CPU's measured fp32 matmul rate "
               f"({peak / 1e9:.1f} GFLOP/s, median of 10 jitted 1024 x 1024 products; model FLOPs: "
-              f"`train_flops`); freed host memory {kept} (`host_memory`), the host's minor page "
-              "faults per step (median):", "",
+              f"`train_flops`); host memory: {host_memory_mode} (`host_memory`), the host's "
+              "minor page faults per step (median):", "",
               "| shape | batch | tokens | ours tok/s | ours GFLOP/s | of peak | page faults "
               "| transformers tok/s | transformers of peak |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -349,11 +350,10 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
 
 
 def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = "auto",
-        shapes: tuple[str, ...] = (), host_memory_kept: bool = False
+        shapes: tuple[str, ...] = (), host_memory_mode: str = "glibc's default"
         ) -> tuple[list[dict], list[dict]]:
   """Runs every cell; prints and writes `out/speed.md`; returns (cell rows, budget rows).
-  `host_memory_kept`: whether `host_memory.keep_freed_memory` applied in this process (the
-  report says so)."""
+  `host_memory_mode`: this process's malloc setting (`malloc_setting`; the report names it)."""
   import torch
 
   from scaled import random_params
@@ -372,7 +372,7 @@ def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = 
         budget_rows = budgets(cfg, params, moe_impl, quick, reps)
   import jax.numpy as jnp
   peak = matmul_peak(jnp.float32, 1024, 10) * 1e12   # FLOP/s
-  text = report(rows, diffs, budget_rows, moe_impl, reps, peak, cfgs, host_memory_kept)
+  text = report(rows, diffs, budget_rows, moe_impl, reps, peak, cfgs, host_memory_mode)
   print(text)
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "speed.md"), "w") as f:
@@ -380,14 +380,24 @@ def run(out: str, quick: bool = False, reps: int | None = None, moe_impl: str = 
   return rows, budget_rows
 
 
+def malloc_setting(kept: bool) -> str:
+  """This process's malloc setting in words: huge pages (`host_memory.huge_pages_active`) and /
+  or the kept heap (`kept`: `keep_freed_memory` applied), else glibc's default."""
+  from elastic_jax import host_memory
+  parts = (["transparent huge pages (`glibc.malloc.hugetlb=1`)"]
+           if host_memory.huge_pages_active() else []) + (["freed memory kept"] if kept else [])
+  return " and ".join(parts) or "glibc's default"
+
+
 def main(argv):
   del argv
   from absl import flags
 
   from elastic_jax import host_memory
+  host_memory.restart_with_huge_pages()   # as the CLIs do (exec, once)
   kept = host_memory.keep_freed_memory()   # opt-in, as for the CLIs; before jax starts
   F = flags.FLAGS
-  run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()), kept)
+  run(F.out, F.quick, F.reps, F.moe_impl, tuple(F.shapes or ()), malloc_setting(kept))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tracing dominates on CPU
+# The xdist workers and the CLIs' child processes start with glibc's malloc on huge pages, as
+# the CLIs restart themselves to run (`host_memory`); so the children need no restart.
+from elastic_jax import host_memory  # noqa: E402
+
+_huge = host_memory.huge_pages_environ(os.environ)
+if _huge is not None:
+  os.environ["GLIBC_TUNABLES"] = _huge["GLIBC_TUNABLES"]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

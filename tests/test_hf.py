@@ -304,6 +304,12 @@ def test_speed_experiment_quick(tmp_path):
   assert all(r["port_s"] is None for r in rows if r["cell"] != "decode")
   assert md.count("\n| tiny |") == len(rows) + 1 + len(decode)
   assert len(train) == 1 and "%" in train[0]
+  assert "host memory: glibc's default (`host_memory`)" in md   # run's default setting
+  from elastic_jax import host_memory
+  huge = "transparent huge pages (`glibc.malloc.hugetlb=1`)"
+  assert speed.malloc_setting(False) == (huge if host_memory.huge_pages_active()
+                                         else "glibc's default")
+  assert speed.malloc_setting(True).endswith("freed memory kept")
   cfg = speed.configs(True)["tiny"]
   n_attn = cfg.layer_pattern.count("*")   # PaLM's count: 6N per token + attention
   assert speed.train_flops(cfg, 2, 16) - speed.train_flops(cfg, 1, 16) == pytest.approx(
