@@ -18,10 +18,10 @@ Ours dispatches the MoE with `--moe_impl` ("auto": `model.moe.choose_impl`). Lik
 process restarts itself with glibc's malloc on transparent huge pages (ELASTIC_JAX_HUGE_PAGES=0
 off) and with ELASTIC_JAX_KEEP_HOST_MEMORY=1 keeps freed host memory (`elastic_jax.host_memory`;
 both sides gain or lose by either); the train table names the setting and counts the step's page
-faults. torch uses as many
-threads as XLA's CPU client (every core); the two are interleaved within each repetition (one
-untimed warm-up each, which also compiles ours), and the median is reported. A ratio above 1
-means ours is faster.
+faults. torch uses as many threads as XLA's CPU client (every core); the two are interleaved within
+each repetition (one untimed warm-up each, which also compiles ours; `TRAIN_WARMUP` for the train
+cells, which a full run times at least `TRAIN_REPS` times), and the median is reported. A ratio
+above 1 means ours is faster.
 
   python experiments/speed.py            # tiny and scaled, about 20 minutes on 2 CPU cores
   python experiments/speed.py --quick    # tiny shape, small cells, one repetition (CI)
@@ -224,11 +224,17 @@ def hf_cells(model, cfg, cells: dict) -> dict:
   return timers
 
 
-def interleaved(timers: dict[str, callable], reps: int) -> dict[str, float]:
-  """Median seconds of each timer over `reps` rounds, after one untimed warm-up each; the timers
-  alternate within each round so that a change of load on a shared machine hits all."""
+TRAIN_WARMUP = 5   # untimed steps per side before a train cell's timed ones
+TRAIN_REPS = 25    # timed steps per side of a full run's train cells (at least)
+
+
+def interleaved(timers: dict[str, callable], reps: int, warmup: int = 1) -> dict[str, float]:
+  """Median seconds of each timer over `reps` rounds, after `warmup` untimed calls each (the first
+  compiles ours); the timers alternate within each round so that a change of load on a shared
+  machine hits all."""
   for f in timers.values():
-    f()
+    for _ in range(warmup):
+      f()
   times = {n: [] for n in timers}
   for _ in range(reps):
     for n, f in timers.items():
@@ -249,12 +255,17 @@ def side_by_side(name: str, cfg, params, moe_impl: str, quick: bool, reps: int,
     timers = {"ours": ours[key], "hf": ref[key]}
     if key in port:
       timers["port"] = port[key]
-    t = interleaved(timers, reps)
     kind, B, T = key
+    # A training run is its steady state: ours' first 2-4 steps after the compile ran 40-70%
+    # slower than the rest here (94, 86, 77, 81 ms, then 55-57), so both sides warm up longer;
+    # and this VM's noise comes in bursts of several steps, so a full run times more of them.
+    train = kind == "train"
+    n = max(reps, TRAIN_REPS) if train and not quick else reps
+    t = interleaved(timers, n, TRAIN_WARMUP if train else 1)
     faults = getattr(ours[key], "faults", None)
     rows.append({"shape": name, "cell": kind, "B": B, "T": T, "ours_s": t["ours"],
                  "hf_s": t["hf"], "ratio": t["hf"] / t["ours"], "port_s": t.get("port"),
-                 "faults": statistics.median(faults) if faults else None})
+                 "faults": statistics.median(faults) if faults else None, "reps": n})
     print(f"  {name} {kind} B{B} {'N' if kind == 'decode' else 'T'}{T}: ours "
           f"{t['ours']:.3f} s, transformers {t['hf']:.3f} s, {t['hf'] / t['ours']:.2f}x" +
           (f"; plain-jnp port {t['port']:.3f} s" if "port" in t else ""), flush=True)
@@ -327,7 +338,8 @@ def report(shape_rows: list[dict], diffs: dict, budget_rows: list[dict], moe_imp
     lines += ["", f"Training steps against this CPU's measured fp32 matmul rate "
               f"({peak / 1e9:.1f} GFLOP/s, median of 10 jitted 1024 x 1024 products; model FLOPs: "
               f"`train_flops`); host memory: {host_memory_mode} (`host_memory`), the host's "
-              "minor page faults per step (median):", "",
+              f"minor page faults per step; median of {train[0]['reps']} steps per side after "
+              f"{TRAIN_WARMUP} untimed ones:", "",
               "| shape | batch | tokens | ours tok/s | ours GFLOP/s | of peak | page faults "
               "| transformers tok/s | transformers of peak |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
