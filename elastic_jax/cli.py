@@ -9,7 +9,7 @@ ours too.
 Before anything else the process re-executes itself once with glibc's malloc on transparent huge
 pages (`host_memory.restart_with_huge_pages`; ELASTIC_JAX_HUGE_PAGES=0 off), so XLA:CPU's per-step
 temporary buffer maps in 2 MiB pages, not 31,000 fresh 4 KiB ones a step (the tiny train step
-about 1.4x faster); with ELASTIC_JAX_KEEP_HOST_MEMORY=1, `host_memory.keep_freed_memory` keeps
+about 1.5x faster); with ELASTIC_JAX_KEEP_HOST_MEMORY=1, `host_memory.keep_freed_memory` keeps
 freed host memory in the process instead (it slows compiles). Compiled programs persist between
 runs (`compilation_cache_dir`): a second run of the same shapes skips XLA's compile (the
 test-sized main job: 147 s cold, 61 s warm on 2 CPU cores).
