@@ -33,7 +33,8 @@ import sys
 
 ENV = "ELASTIC_JAX_KEEP_HOST_MEMORY"
 HUGE_ENV = "ELASTIC_JAX_HUGE_PAGES"
-TUNABLE = "glibc.malloc.hugetlb=1"   # glibc >= 2.35: madvise(MADV_HUGEPAGE) on malloc's memory
+TUNABLE = "glibc.malloc.hugetlb=1"   # madvise(MADV_HUGEPAGE) on malloc's memory
+TUNABLE_SINCE = (2, 35)   # older glibc ignores the tunable
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -48,8 +49,15 @@ def _switch(environ, name: str, default: bool) -> bool:
   return value == "1" or (value is None and default)
 
 
-def _glibc() -> bool:
-  return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+def _glibc(at_least: tuple[int, ...] = ()) -> bool:
+  """Linux with glibc, of at least version `at_least`."""
+  name, version = platform.libc_ver()
+  if not sys.platform.startswith("linux") or name != "glibc":
+    return False
+  try:
+    return tuple(int(p) for p in version.split(".")[:2]) >= at_least
+  except ValueError:
+    return False
 
 
 def keep_freed_memory(environ=os.environ, default: bool = False) -> bool:
@@ -83,9 +91,9 @@ def huge_pages_environ(environ=os.environ, default: bool = True,
   """The environment to restart this process with so that glibc's malloc uses transparent huge
   pages: `environ` plus `TUNABLE` in $GLIBC_TUNABLES. None when there is nothing to do: off
   ($ELASTIC_JAX_HUGE_PAGES "0" or "", or unset and not `default`), already active, not Linux
-  with glibc, or the kernel's transparent huge pages unknown or "never"."""
-  if (not _switch(environ, HUGE_ENV, default) or huge_pages_active(environ) or not _glibc()
-      or thp_mode(thp_path) in (None, "never")):
+  with glibc 2.35 or later, or the kernel's transparent huge pages unknown or "never"."""
+  if (not _switch(environ, HUGE_ENV, default) or huge_pages_active(environ)
+      or not _glibc(TUNABLE_SINCE) or thp_mode(thp_path) in (None, "never")):
     return None
   tunables = environ.get("GLIBC_TUNABLES", "")
   return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}" if tunables else TUNABLE}

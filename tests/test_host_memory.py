@@ -95,6 +95,19 @@ def test_huge_pages_environ(tmp_path):
     host_memory.huge_pages_environ({host_memory.HUGE_ENV: "on"})
 
 
+def test_huge_pages_need_glibc_2_35(tmp_path, monkeypatch):
+  """Older glibc ignores the tunable, so there is nothing to restart for; neither off glibc."""
+  import platform
+  thp = tmp_path / "enabled"
+  thp.write_text("always [madvise] never\n")
+  monkeypatch.setattr(sys, "platform", "linux")
+  cases = ((("glibc", "2.31"), False), (("glibc", "2.35"), True), (("glibc", "2.40.9000"), True),
+           (("musl", "1.2"), False), (("", ""), False))
+  for libc, restarts in cases:
+    monkeypatch.setattr(platform, "libc_ver", lambda libc=libc: libc)
+    assert (host_memory.huge_pages_environ({}, thp_path=str(thp)) is not None) == restarts, libc
+
+
 RESTART = """
 import os
 from elastic_jax import host_memory
