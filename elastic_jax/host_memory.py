@@ -95,8 +95,19 @@ def huge_pages_environ(environ=os.environ, default: bool = True,
   if (not _switch(environ, HUGE_ENV, default) or huge_pages_active(environ)
       or not _glibc(TUNABLE_SINCE) or thp_mode(thp_path) in (None, "never")):
     return None
-  tunables = environ.get("GLIBC_TUNABLES", "")
-  return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}" if tunables else TUNABLE}
+  return with_huge_pages(environ, True)
+
+
+def with_huge_pages(environ, on: bool) -> dict:
+  """A copy of `environ` whose $GLIBC_TUNABLES has `TUNABLE` (appended) or not (removed, and the
+  variable with it when nothing else is left); the other tunables are kept in order."""
+  tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t and t != TUNABLE]
+  env = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
+  if on:
+    tunables.append(TUNABLE)
+  if tunables:
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
+  return env
 
 
 def restart_with_huge_pages(environ=os.environ, default: bool = True) -> None:

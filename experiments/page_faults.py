@@ -30,15 +30,8 @@ VARIANTS = ("default", "huge", "kept")
 def variant_environ(variant: str, environ=os.environ) -> dict:
   """A child's environment: glibc's default malloc, its huge-page tunable, or the kept heap."""
   from elastic_jax import host_memory
-  tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":")
-              if t and t != host_memory.TUNABLE]
-  if variant == "huge":
-    tunables.append(host_memory.TUNABLE)
-  env = {**environ, host_memory.ENV: "1" if variant == "kept" else "0",
-         "GLIBC_TUNABLES": ":".join(tunables)}
-  if not tunables:
-    del env["GLIBC_TUNABLES"]
-  return env
+  return {**host_memory.with_huge_pages(environ, variant == "huge"),
+          host_memory.ENV: "1" if variant == "kept" else "0"}
 
 
 def child(batch: int, seq: int, steps: int) -> dict:
@@ -96,7 +89,8 @@ def run(out: str, quick: bool = False, rounds: int | None = None, batch: int = 4
            f"process per round, median of {steps} steps, {os.cpu_count()} CPU cores; faults: "
            "minor page faults per step.", "",
            "| round | order | default ms | faults | huge pages ms | faults | kept ms | faults | "
-           "default / huge | default / kept |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "default / huge | default / kept |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     cells = " | ".join(f"{r[v]['ms']:.1f} | {r[v]['faults']:,.0f}" for v in VARIANTS)
     lines.append(f"| {r['round']} | {', '.join(r['order'])} | {cells} | "

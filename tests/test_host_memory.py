@@ -88,6 +88,9 @@ def test_huge_pages_environ(tmp_path):
   assert host_memory.huge_pages_environ({host_memory.HUGE_ENV: "1"}, default=False,
                                         thp_path=str(thp)) is not None
   assert host_memory.huge_pages_environ({}, thp_path=str(tmp_path / "missing")) is None
+  assert host_memory.with_huge_pages(env, False) == {
+      "GLIBC_TUNABLES": "glibc.malloc.tcache_count=8"}
+  assert host_memory.with_huge_pages({"GLIBC_TUNABLES": host_memory.TUNABLE}, False) == {}
   thp.write_text("always madvise [never]\n")
   assert host_memory.thp_mode(str(thp)) == "never"
   assert host_memory.huge_pages_environ({}, thp_path=str(thp)) is None
